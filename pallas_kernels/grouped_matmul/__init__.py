@@ -1,0 +1,3 @@
+from pallas_kernels.grouped_matmul.reference import grouped_matmul_reference
+
+__all__ = ["grouped_matmul_reference"]

@@ -1,0 +1,88 @@
+"""Plain-jnp ragged paged attention: the correctness oracle and the CPU implementation."""
+
+import jax
+import jax.numpy as jnp
+
+# Tokens are processed in blocks of this many rows so a long prefill chunk never
+# materialises its whole [T, C, K, H] key gather at once.
+_TOKEN_BLOCK = 128
+
+
+def _dequant(pages, scale):
+    """[P, L, K, H] stored pages -> float32 values (scale: float32[K] or None)."""
+    values = pages.astype(jnp.float32)
+    if scale is not None:
+        values = values * scale.astype(jnp.float32)[None, None, :, None]
+    return values
+
+
+def _attend_block(q, seq, pos, valid, k_pages, v_pages, page_table, k_scale, v_scale,
+                  sm_scale):
+    """One block of query rows. q: [B, N, H]; seq, pos: int32[B]; valid: bool[B]."""
+    num_q_heads = q.shape[1]
+    num_pages_per_seq = page_table.shape[1]
+    page_size, num_kv_heads = k_pages.shape[1], k_pages.shape[2]
+    group = num_q_heads // num_kv_heads
+    pages = page_table[seq]                                               # [B, pps]
+    # Gather in the stored dtype (cheap), dequantise after.
+    k = _dequant(k_pages[pages], k_scale)                                 # [B, pps, L, K, H]
+    v = _dequant(v_pages[pages], v_scale)                                 # [B, pps, L, K, H]
+    ctx = num_pages_per_seq * page_size
+    k = k.reshape(k.shape[0], ctx, num_kv_heads, -1)                      # [B, C, K, H]
+    v = v.reshape(v.shape[0], ctx, num_kv_heads, -1)                      # [B, C, K, H]
+    qg = q.astype(jnp.float32).reshape(q.shape[0], num_kv_heads, group, -1)  # [B, K, G, H]
+    scores = jnp.einsum("bkgh,bckh->bkgc", qg, k,
+                        precision=jax.lax.Precision.HIGHEST) * sm_scale   # [B, K, G, C]
+    key_pos = jnp.arange(ctx, dtype=jnp.int32)                            # [C]
+    mask = key_pos[None, :] <= pos[:, None]                               # [B, C]
+    scores = jnp.where(mask[:, None, None, :], scores, -jnp.inf)
+    # Padding rows have an all-masked row; give them a finite max so no NaN appears.
+    row_max = jnp.max(scores, axis=-1, keepdims=True)
+    row_max = jnp.where(jnp.isfinite(row_max), row_max, 0.0)
+    probs = jnp.exp(scores - row_max)                                     # [B, K, G, C]
+    denom = jnp.sum(probs, axis=-1, keepdims=True)
+    probs = probs / jnp.where(denom > 0, denom, 1.0)
+    out = jnp.einsum("bkgc,bckh->bkgh", probs, v,
+                     precision=jax.lax.Precision.HIGHEST)                 # [B, K, G, H]
+    out = out.reshape(q.shape)                                            # [B, N, H]
+    return jnp.where(valid[:, None, None], out, 0.0).astype(q.dtype)
+
+
+def token_positions(query_start, kv_lens, num_seqs, num_tokens):
+    """Per query row: (sequence index, absolute position, is-real-token)."""
+    rows = jnp.arange(num_tokens, dtype=jnp.int32)                        # [T]
+    num_seqs_max = kv_lens.shape[0]
+    seq = jnp.searchsorted(query_start, rows, side="right").astype(jnp.int32) - 1
+    seq = jnp.clip(seq, 0, num_seqs_max - 1)                              # [T]
+    q_lens = query_start[1:] - query_start[:-1]                           # [S]
+    pos = kv_lens[seq] - q_lens[seq] + (rows - query_start[seq])          # [T]
+    valid = rows < query_start[jnp.clip(num_seqs, 0, num_seqs_max)]       # [T]
+    return seq, pos.astype(jnp.int32), valid
+
+
+def ragged_paged_attention_reference(q, k_pages, v_pages, kv_lens, page_table, query_start,
+                                     num_seqs, *, sm_scale, k_scale=None, v_scale=None,
+                                     interpret=False, **block_sizes):
+    """Causal attention of ragged query rows over a paged KV cache, in plain jnp.
+
+    q: [T, N, H]; k_pages, v_pages: [P, L, K, H]; kv_lens: int32[S];
+    page_table: int32[S, pages_per_seq]; query_start: int32[S+1]; num_seqs: int32 scalar.
+    k_scale, v_scale: float32[K] dequantisation scales for fp8/int8 pages, or None.
+    `interpret` and `block_sizes` are accepted only so it can stand in for the kernel.
+    Returns [T, N, H] in q's dtype; padding rows are zero.
+    """
+    del interpret, block_sizes
+    q, k_pages, v_pages, kv_lens, page_table, query_start = map(
+        jnp.asarray, (q, k_pages, v_pages, kv_lens, page_table, query_start))
+    num_tokens = q.shape[0]
+    seq, pos, valid = token_positions(query_start, kv_lens, num_seqs, num_tokens)
+    attend = lambda args: _attend_block(*args, k_pages, v_pages, page_table, k_scale,
+                                        v_scale, sm_scale)
+    if num_tokens <= _TOKEN_BLOCK:
+        return attend((q, seq, pos, valid))
+    num_blocks = -(-num_tokens // _TOKEN_BLOCK)
+    pad = num_blocks * _TOKEN_BLOCK - num_tokens
+    blocked = lambda x: jnp.pad(x, [(0, pad)] + [(0, 0)] * (x.ndim - 1)).reshape(
+        num_blocks, _TOKEN_BLOCK, *x.shape[1:])
+    out = jax.lax.map(attend, (blocked(q), blocked(seq), blocked(pos), blocked(valid)))
+    return out.reshape(-1, *q.shape[1:])[:num_tokens]
