@@ -1,0 +1,101 @@
+"""SchedulerOutput -> padded ragged ModelInputs for one (T, S) bucket. Numpy only.
+
+Padding tokens write to slot 0 of the scratch page 0 and belong to no sequence;
+padding sequences have zero length (query_start repeats its last real value,
+kv_lens 0), so attention and the MoE router can mask them by position alone.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import itertools
+from collections.abc import Sequence
+
+import numpy as np
+
+from serving.buckets import pick_bucket
+from serving.scheduler import SchedulerOutput
+
+
+@dataclasses.dataclass
+class ModelInputs:
+    token_ids: np.ndarray  # int32[T]
+    positions: np.ndarray  # int32[T]
+    slot_mapping: np.ndarray  # int32[T]: page_id * block_size + offset; padding -> 0
+    query_start: np.ndarray  # int32[S+1]: cumulative chunk lengths
+    kv_lens: np.ndarray  # int32[S]: tokens in the cache after this step; 0 for padding
+    page_table: np.ndarray  # int32[S, pages_per_seq]; 0 for unused entries
+    logits_index: np.ndarray  # int32[S]: flat index of each sequence's last token
+    num_seqs: np.ndarray  # int32[] real sequences
+    num_tokens: int  # real tokens (host-side only)
+
+    @property
+    def padded_num_tokens(self) -> int:
+        return self.token_ids.shape[0]
+
+    @property
+    def padded_num_seqs(self) -> int:
+        return self.kv_lens.shape[0]
+
+    @property
+    def bucket(self) -> tuple[int, int]:
+        return self.padded_num_tokens, self.padded_num_seqs
+
+    def arrays(self) -> dict[str, np.ndarray]:
+        """The device-bound fields (everything but the host-side token count)."""
+        return {f.name: getattr(self, f.name) for f in dataclasses.fields(self)
+                if f.name != "num_tokens"}
+
+
+def build_model_inputs(scheduler_output: SchedulerOutput, token_buckets: Sequence[int],
+                       seq_buckets: Sequence[int], block_size: int,
+                       pages_per_seq: int) -> ModelInputs:
+    scheduled = scheduler_output.scheduled
+    num_seqs = len(scheduled)
+    num_new = np.fromiter((s.num_new_tokens for s in scheduled), np.int32, num_seqs)
+    starts = np.fromiter((s.start for s in scheduled), np.int32, num_seqs)
+    num_tokens = int(num_new.sum())
+    T = pick_bucket(num_tokens, token_buckets)
+    S = pick_bucket(num_seqs, seq_buckets)
+
+    query_start = np.full(S + 1, num_tokens, np.int32)
+    query_start[0] = 0
+    np.cumsum(num_new, out=query_start[1:num_seqs + 1])
+    kv_lens = np.zeros(S, np.int32)
+    kv_lens[:num_seqs] = starts + num_new
+    logits_index = np.zeros(S, np.int32)
+    logits_index[:num_seqs] = query_start[1:num_seqs + 1] - 1
+
+    page_table = _page_table(scheduled, S, pages_per_seq)
+    # Per-token sequence index and position, without a per-token Python loop.
+    seq_of_token = np.repeat(np.arange(num_seqs, dtype=np.int32), num_new)
+    positions = np.zeros(T, np.int32)
+    positions[:num_tokens] = (np.arange(num_tokens, dtype=np.int32)
+                              - query_start[seq_of_token] + starts[seq_of_token])
+    slot_mapping = np.zeros(T, np.int32)
+    pages = page_table[seq_of_token, positions[:num_tokens] // block_size]
+    slot_mapping[:num_tokens] = pages * block_size + positions[:num_tokens] % block_size
+
+    token_ids = np.zeros(T, np.int32)
+    token_ids[:num_tokens] = np.fromiter(
+        itertools.chain.from_iterable(
+            s.request.tokens(s.start, s.start + s.num_new_tokens) for s in scheduled),
+        np.int32, num_tokens)
+    return ModelInputs(token_ids=token_ids, positions=positions, slot_mapping=slot_mapping,
+                       query_start=query_start, kv_lens=kv_lens, page_table=page_table,
+                       logits_index=logits_index, num_seqs=np.array(num_seqs, np.int32),
+                       num_tokens=num_tokens)
+
+
+def _page_table(scheduled, num_padded_seqs: int, pages_per_seq: int) -> np.ndarray:
+    """Rows of block ids, zero-filled; one flat fill through a row-major mask."""
+    lens = np.fromiter((len(s.request.block_ids) for s in scheduled), np.int64, len(scheduled))
+    if len(lens) and lens.max() > pages_per_seq:
+        raise ValueError(f"a request holds {lens.max()} pages, more than "
+                         f"pages_per_seq={pages_per_seq}")
+    page_table = np.zeros((num_padded_seqs, pages_per_seq), np.int32)
+    mask = np.arange(pages_per_seq) < lens[:, None]
+    page_table[:len(scheduled)][mask] = np.fromiter(
+        itertools.chain.from_iterable(s.request.block_ids for s in scheduled),
+        np.int32, int(lens.sum()))
+    return page_table

@@ -1,0 +1,246 @@
+"""Requests, sampling parameters and outputs. Pure Python: no jax, no numpy."""
+
+from __future__ import annotations
+
+import dataclasses
+import enum
+import time
+
+# vLLM's _SAMPLING_EPS: temperatures below this are treated as greedy.
+SAMPLING_EPS = 1e-5
+MAX_N = 128
+MAX_LOGPROBS = 20
+
+
+def _check(ok: bool, message: str) -> None:
+    if not ok:
+        raise ValueError(message)
+
+
+def _check_range(name: str, value: float, low: float, high: float) -> None:
+    _check(low <= value <= high, f"{name} must be in [{low}, {high}], got {value}")
+
+
+def _check_logprobs(name: str, value: int | None) -> None:
+    if value is None:
+        return
+    _check(isinstance(value, int) and not isinstance(value, bool),
+           f"{name} must be an int or None, got {value!r}")
+    _check_range(name, value, 0, MAX_LOGPROBS)
+
+
+@dataclasses.dataclass
+class SamplingParams:
+    """vLLM's sampling parameters, names and defaults included."""
+
+    n: int = 1
+    presence_penalty: float = 0.0
+    frequency_penalty: float = 0.0
+    repetition_penalty: float = 1.0
+    temperature: float = 1.0
+    top_p: float = 1.0
+    top_k: int = 0  # 0 or -1: disabled
+    min_p: float = 0.0
+    seed: int | None = None
+    stop: str | list[str] | None = None
+    stop_token_ids: list[int] | None = None
+    ignore_eos: bool = False
+    max_tokens: int | None = 16  # None: up to max_model_len
+    min_tokens: int = 0
+    logprobs: int | None = None  # 0: only the sampled token's logprob
+    prompt_logprobs: int | None = None
+    skip_special_tokens: bool = True
+    include_stop_str_in_output: bool = False
+
+    def __post_init__(self) -> None:
+        if self.stop is None:
+            self.stop = []
+        elif isinstance(self.stop, str):
+            self.stop = [self.stop]
+        else:
+            self.stop = list(self.stop)
+        self.stop_token_ids = list(self.stop_token_ids or [])
+        self._validate()
+
+    def _validate(self) -> None:
+        _check_range("n", self.n, 1, MAX_N)
+        _check(self.temperature >= 0, f"temperature must be >= 0, got {self.temperature}")
+        _check(0 < self.top_p <= 1, f"top_p must be in (0, 1], got {self.top_p}")
+        _check(self.top_k == -1 or self.top_k >= 0,
+               f"top_k must be -1 (disabled) or >= 0, got {self.top_k}")
+        _check_range("min_p", self.min_p, 0.0, 1.0)
+        _check_range("presence_penalty", self.presence_penalty, -2.0, 2.0)
+        _check_range("frequency_penalty", self.frequency_penalty, -2.0, 2.0)
+        _check(self.repetition_penalty > 0,
+               f"repetition_penalty must be > 0, got {self.repetition_penalty}")
+        _check(self.max_tokens is None or self.max_tokens >= 1,
+               f"max_tokens must be >= 1 or None, got {self.max_tokens}")
+        _check(self.min_tokens >= 0, f"min_tokens must be >= 0, got {self.min_tokens}")
+        if self.max_tokens is not None:
+            _check(self.min_tokens <= self.max_tokens,
+                   f"min_tokens must be <= max_tokens={self.max_tokens}, "
+                   f"got {self.min_tokens}")
+        _check_logprobs("logprobs", self.logprobs)
+        _check_logprobs("prompt_logprobs", self.prompt_logprobs)
+        _check(self.seed is None or (isinstance(self.seed, int)
+                                     and not isinstance(self.seed, bool)),
+               f"seed must be an int or None, got {self.seed!r}")
+        _check(all(isinstance(s, str) and s for s in self.stop),
+               f"stop must be non-empty strings, got {self.stop!r}")
+
+    @property
+    def greedy(self) -> bool:
+        return self.temperature < SAMPLING_EPS
+
+    @property
+    def top_k_enabled(self) -> bool:
+        return self.top_k > 0
+
+
+class RequestStatus(enum.IntEnum):
+    """Ordered so that every finished status compares above the live ones."""
+
+    WAITING = 0
+    RUNNING = 1
+    PREEMPTED = 2
+    FINISHED_STOPPED = 3
+    FINISHED_LENGTH_CAPPED = 4
+    FINISHED_ABORTED = 5
+    FINISHED_ERROR = 6
+
+    @staticmethod
+    def is_finished(status: RequestStatus) -> bool:
+        return status > RequestStatus.PREEMPTED
+
+    @staticmethod
+    def finish_reason(status: RequestStatus) -> str | None:
+        return _FINISH_REASONS.get(status)
+
+
+_FINISH_REASONS = {
+    RequestStatus.FINISHED_STOPPED: "stop",
+    RequestStatus.FINISHED_LENGTH_CAPPED: "length",
+    RequestStatus.FINISHED_ABORTED: "abort",
+    RequestStatus.FINISHED_ERROR: "error",
+}
+
+
+@dataclasses.dataclass
+class RequestMetrics:
+    """Monotonic timestamps (seconds) plus the wall-clock arrival for reporting."""
+
+    arrival_time: float
+    arrival_wall_time: float = dataclasses.field(default_factory=time.time)
+    first_scheduled_time: float | None = None
+    first_token_time: float | None = None
+    last_token_time: float | None = None
+    finished_time: float | None = None
+
+    @property
+    def time_to_first_token(self) -> float | None:
+        if self.first_token_time is None:
+            return None
+        return self.first_token_time - self.arrival_time
+
+
+@dataclasses.dataclass(eq=False)
+class Request:
+    """One sequence the scheduler tracks. `n > 1` is fanned out by the engine."""
+
+    request_id: str
+    prompt_token_ids: list[int]
+    sampling_params: SamplingParams = dataclasses.field(default_factory=SamplingParams)
+    eos_token_id: int | None = None
+    arrival_time: float = dataclasses.field(default_factory=time.monotonic)
+    priority: int = 0  # lower value is served first, as in vLLM
+    output_token_ids: list[int] = dataclasses.field(default_factory=list)
+    num_computed_tokens: int = 0
+    status: RequestStatus = RequestStatus.WAITING
+    block_ids: list[int] = dataclasses.field(default_factory=list)
+    num_cached_tokens: int = 0
+    num_preemptions: int = 0
+    stop_reason: int | str | None = None
+    metrics: RequestMetrics | None = None
+    # Chained block hashes of full blocks, filled lazily by the KV cache manager.
+    block_hashes: list[int] = dataclasses.field(default_factory=list, repr=False)
+
+    def __post_init__(self) -> None:
+        _check(len(self.prompt_token_ids) > 0,
+               f"prompt_token_ids must be non-empty (request {self.request_id})")
+        self.prompt_token_ids = list(self.prompt_token_ids)
+        if self.metrics is None:
+            self.metrics = RequestMetrics(arrival_time=self.arrival_time)
+
+    @property
+    def all_token_ids(self) -> list[int]:
+        return self.prompt_token_ids + self.output_token_ids
+
+    @property
+    def num_prompt_tokens(self) -> int:
+        return len(self.prompt_token_ids)
+
+    @property
+    def num_output_tokens(self) -> int:
+        return len(self.output_token_ids)
+
+    @property
+    def num_tokens(self) -> int:
+        return len(self.prompt_token_ids) + len(self.output_token_ids)
+
+    @property
+    def is_finished(self) -> bool:
+        return RequestStatus.is_finished(self.status)
+
+    @property
+    def finish_reason(self) -> str | None:
+        return RequestStatus.finish_reason(self.status)
+
+    def token_at(self, index: int) -> int:
+        """Token `index` of prompt + output without building the concatenation."""
+        n = len(self.prompt_token_ids)
+        return self.prompt_token_ids[index] if index < n else self.output_token_ids[index - n]
+
+    def tokens(self, start: int, stop: int) -> list[int]:
+        """all_token_ids[start:stop] without copying the whole sequence."""
+        n = len(self.prompt_token_ids)
+        if stop <= n:
+            return self.prompt_token_ids[start:stop]
+        if start >= n:
+            return self.output_token_ids[start - n:stop - n]
+        return self.prompt_token_ids[start:] + self.output_token_ids[:stop - n]
+
+    def append_output_token(self, token_id: int) -> None:
+        self.output_token_ids.append(int(token_id))
+        now = time.monotonic()
+        if self.metrics.first_token_time is None:
+            self.metrics.first_token_time = now
+        self.metrics.last_token_time = now
+
+
+@dataclasses.dataclass
+class CompletionOutput:
+    """One generated completion of a request (vLLM's shape)."""
+
+    index: int
+    text: str
+    token_ids: list[int]
+    cumulative_logprob: float | None = None
+    logprobs: list[dict[int, float]] | None = None
+    finish_reason: str | None = None
+    stop_reason: int | str | None = None
+
+    def finished(self) -> bool:
+        return self.finish_reason is not None
+
+
+@dataclasses.dataclass
+class RequestOutput:
+    """What the engine emits per request per step (vLLM's shape)."""
+
+    request_id: str
+    prompt: str | None
+    prompt_token_ids: list[int]
+    prompt_logprobs: list[dict[int, float] | None] | None
+    outputs: list[CompletionOutput]
+    finished: bool
+    metrics: RequestMetrics | None = None
