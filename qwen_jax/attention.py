@@ -1,0 +1,90 @@
+"""Qwen3 attention over the paged KV cache: q/k RMSNorm before RoPE, GQA.
+
+The cache of a segment of X stacked layers is one array per K and V of shape
+[X * P, L, K, H]: layer x owns pages [x * P, (x + 1) * P). Offsetting the page table
+and slot mapping by x * P lets every layer hand its pages to the attention op without
+slicing (and so copying) the cache inside the layer scan.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+
+import jax
+import jax.numpy as jnp
+from flax import nnx
+
+from pallas_kernels import ragged_paged_attention_reference
+from qwen_jax.layers import Linear, RMSNorm, apply_rope
+
+
+@jax.tree_util.register_dataclass
+@dataclasses.dataclass(frozen=True)
+class AttentionMetadata:
+    """Where each flattened token sits in the paged cache (see serving/batch.py)."""
+
+    slot_mapping: jax.Array  # int32[T] flat slot (page * L + offset); padding -> page 0
+    query_start: jax.Array   # int32[S+1]
+    kv_lens: jax.Array       # int32[S] context length including this step's tokens
+    page_table: jax.Array    # int32[S, pages_per_seq]
+    num_seqs: jax.Array      # int32[] real sequences; the rest is padding
+
+    def valid_tokens(self, num_tokens: int) -> jax.Array:
+        """bool[T]: real tokens (rows before query_start[num_seqs])."""
+        end = self.query_start[jnp.clip(self.num_seqs, 0, self.kv_lens.shape[0])]
+        return jnp.arange(num_tokens, dtype=jnp.int32) < end
+
+
+def attention_op(impl: str):
+    if impl == "pallas":
+        from pallas_kernels.ragged_paged_attention import ragged_paged_attention
+        return ragged_paged_attention
+    if impl != "reference":
+        raise ValueError(f"impl must be 'pallas' or 'reference', got {impl!r}")
+    return ragged_paged_attention_reference
+
+
+def write_kv(k_cache: jax.Array, v_cache: jax.Array, k: jax.Array, v: jax.Array,
+             slots: jax.Array) -> tuple[jax.Array, jax.Array]:
+    """Scatter new K/V [T, K, H] into flat slots of the [P', L, K, H] caches."""
+    num_pages, page_size = k_cache.shape[:2]
+    flat_shape = (num_pages * page_size, *k_cache.shape[2:])
+    k_cache = k_cache.reshape(flat_shape).at[slots].set(k.astype(k_cache.dtype))
+    v_cache = v_cache.reshape(flat_shape).at[slots].set(v.astype(v_cache.dtype))
+    return k_cache.reshape(num_pages, page_size, *k_cache.shape[1:]), \
+        v_cache.reshape(num_pages, page_size, *v_cache.shape[1:])
+
+
+class Attention(nnx.Module):
+    """HF `self_attn`: q/k/v/o projections (optional bias), per-head q_norm/k_norm."""
+
+    def __init__(self, cfg, *, stack=(), dtype=jnp.float32, rngs=None):
+        d, n, k, h = cfg.hidden_size, cfg.num_attention_heads, cfg.num_key_value_heads, cfg.head_dim
+        bias = cfg.attention_bias
+        self.q_proj = Linear(d, n * h, use_bias=bias, stack=stack, dtype=dtype, rngs=rngs)
+        self.k_proj = Linear(d, k * h, use_bias=bias, stack=stack, dtype=dtype, rngs=rngs)
+        self.v_proj = Linear(d, k * h, use_bias=bias, stack=stack, dtype=dtype, rngs=rngs)
+        self.o_proj = Linear(n * h, d, use_bias=bias, stack=stack, dtype=dtype, rngs=rngs)
+        self.q_norm = RMSNorm(h, cfg.rms_norm_eps, stack=stack, dtype=dtype)
+        self.k_norm = RMSNorm(h, cfg.rms_norm_eps, stack=stack, dtype=dtype)
+        self.num_heads, self.num_kv_heads, self.head_dim = n, k, h
+
+    def __call__(self, x, positions, kv_cache, meta: AttentionMetadata, page_offset, rope,
+                 impl: str):
+        """x: [T, D]; positions: int32[T]; kv_cache: ([P', L, K, H], [P', L, K, H]).
+
+        page_offset: int32[] first page of this layer in the segment's cache.
+        rope: (inv_freq [H/2], scale). Returns ([T, D], updated kv_cache).
+        """
+        num_tokens = x.shape[0]
+        q = self.q_norm(self.q_proj(x).reshape(num_tokens, self.num_heads, self.head_dim))
+        k = self.k_norm(self.k_proj(x).reshape(num_tokens, self.num_kv_heads, self.head_dim))
+        v = self.v_proj(x).reshape(num_tokens, self.num_kv_heads, self.head_dim)  # [T, K, H]
+        q = apply_rope(q, positions, *rope)  # [T, N, H]
+        k = apply_rope(k, positions, *rope)  # [T, K, H]
+        page_size = kv_cache[0].shape[1]
+        k_cache, v_cache = write_kv(*kv_cache, k, v, meta.slot_mapping + page_offset * page_size)
+        out = attention_op(impl)(
+            q, k_cache, v_cache, meta.kv_lens, meta.page_table + page_offset, meta.query_start,
+            meta.num_seqs, sm_scale=self.head_dim ** -0.5)  # [T, N, H]
+        return self.o_proj(out.reshape(num_tokens, -1)), (k_cache, v_cache)

@@ -1,0 +1,70 @@
+"""Orbax save/restore of converted params (faster start-up than re-reading safetensors)."""
+
+from __future__ import annotations
+
+import json
+import shutil
+from pathlib import Path
+
+import jax
+import orbax.checkpoint as ocp
+from flax import nnx
+
+from qwen_jax.config import ModelConfig
+
+PARAMS_DIR = "orbax_params"
+TOKENIZER_FILES = ("tokenizer.json", "tokenizer_config.json", "generation_config.json",
+                   "special_tokens_map.json", "chat_template.jinja", "vocab.json", "merges.txt")
+
+
+def is_orbax_checkpoint(directory) -> bool:
+    return (Path(directory) / PARAMS_DIR).is_dir()
+
+
+def save(model, directory, *, source_dir=None) -> Path:
+    """Write params (orbax), config.json and, from `source_dir`, the tokenizer files."""
+    directory = Path(directory).absolute()
+    directory.mkdir(parents=True, exist_ok=True)
+    params = nnx.to_pure_dict(nnx.state(model, nnx.Param))
+    with ocp.StandardCheckpointer() as ckptr:
+        ckptr.save(directory / PARAMS_DIR, params, force=True)
+    with open(directory / "config.json", "w") as f:
+        json.dump(model.config.to_hf_dict(), f, indent=2)
+    if source_dir is not None:
+        for name in TOKENIZER_FILES:
+            if (Path(source_dir) / name).exists():
+                shutil.copy(Path(source_dir) / name, directory / name)
+    return directory
+
+
+def restore(directory, *, dtype=None, impl=None):
+    """Restore a model saved by `save`; `dtype` casts params if it differs from the saved one."""
+    from qwen_jax.weights import _restore_buffers, abstract_model, resolve_dtype
+    directory = Path(directory).absolute()
+    cfg = ModelConfig.from_hf(directory)
+    with ocp.StandardCheckpointer() as ckptr:
+        saved_meta = ckptr.metadata(directory / PARAMS_DIR)
+        saved_dtype = jax.tree.leaves(_tree_of(saved_meta))[0].dtype
+        model = abstract_model(cfg, saved_dtype, impl)
+        graphdef, state = nnx.split(model)
+        target = nnx.to_pure_dict(nnx.state(model, nnx.Param))
+        restored = ckptr.restore(directory / PARAMS_DIR, target)
+    params_state = nnx.state(model, nnx.Param)
+    nnx.replace_by_pure_dict(params_state, restored)
+    nnx.update(model, params_state)
+    graphdef, state = nnx.split(model)
+    _restore_buffers(state, cfg)
+    model = nnx.merge(graphdef, state)
+    if dtype is not None and resolve_dtype(dtype) != saved_dtype:
+        cast = jax.tree.map(lambda x: x.astype(resolve_dtype(dtype)),
+                            nnx.state(model, nnx.Param))
+        nnx.update(model, cast)
+    return model
+
+
+def _tree_of(metadata):
+    """Orbax metadata objects differ across versions; get the pytree of array metadata."""
+    for attr in ("item_metadata", "tree"):
+        if hasattr(metadata, attr):
+            metadata = getattr(metadata, attr)
+    return metadata

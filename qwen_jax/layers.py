@@ -1,0 +1,72 @@
+"""Building blocks shared by the model: linear, RMSNorm, rotary embedding.
+
+Einsum alphabet, used in every equation and shape comment of the project:
+  B batch, T tokens (flattened ragged batch), S sequences, D model dim,
+  N query heads, K kv heads, G query heads per kv head (N // K), H head dim,
+  E experts, F FFN dim (expert or dense), V vocab, P pages, L page size,
+  C context positions of one sequence (pages_per_seq * L), X stacked layers.
+
+Parameters may carry leading stacked-layer dims (`stack`): a stacked module is never
+called directly; `jax.lax.scan` slices it and calls the per-layer view (see model.py).
+"""
+
+from __future__ import annotations
+
+import jax
+import jax.numpy as jnp
+from flax import nnx
+
+INIT_STD = 0.02
+
+
+def init_param(rngs: nnx.Rngs | None, shape: tuple[int, ...], dtype, std: float = INIT_STD,
+               fill: float | None = None) -> nnx.Param:
+    """A parameter: constant `fill`, or normal(0, std) drawn directly in `dtype` on device."""
+    if fill is not None:
+        return nnx.Param(jnp.full(shape, fill, dtype))
+    return nnx.Param(jax.random.normal(rngs.params(), shape, dtype) * jnp.asarray(std, dtype))
+
+
+class Linear(nnx.Module):
+    """y = x @ kernel + bias; kernel [in, out] is the transpose of torch's `weight` [out, in]."""
+
+    def __init__(self, in_features: int, out_features: int, *, use_bias: bool = False,
+                 stack: tuple[int, ...] = (), dtype=jnp.float32, rngs: nnx.Rngs | None = None):
+        self.kernel = init_param(rngs, (*stack, in_features, out_features), dtype)
+        self.bias = (init_param(rngs, (*stack, out_features), dtype, fill=0.0)
+                     if use_bias else None)
+
+    def __call__(self, x: jax.Array) -> jax.Array:
+        y = jnp.einsum("...i,io->...o", x, self.kernel[...])
+        if self.bias is not None:
+            y = y + self.bias[...]
+        return y
+
+
+class RMSNorm(nnx.Module):
+    """HF Qwen3RMSNorm: normalise in fp32, cast back, then scale."""
+
+    def __init__(self, dim: int, eps: float, *, stack: tuple[int, ...] = (), dtype=jnp.float32):
+        self.weight = init_param(None, (*stack, dim), dtype, fill=1.0)
+        self.eps = eps
+
+    def __call__(self, x: jax.Array) -> jax.Array:
+        x32 = x.astype(jnp.float32)
+        variance = jnp.mean(x32 * x32, axis=-1, keepdims=True)
+        normed = (x32 * jax.lax.rsqrt(variance + self.eps)).astype(x.dtype)
+        return self.weight[...] * normed
+
+
+def rotate_half(x: jax.Array) -> jax.Array:
+    half = x.shape[-1] // 2
+    return jnp.concatenate([-x[..., half:], x[..., :half]], axis=-1)
+
+
+def apply_rope(x: jax.Array, positions: jax.Array, inv_freq: jax.Array,
+               scale: float) -> jax.Array:
+    """Neox-style RoPE as HF applies it. x: [T, n, H]; positions: int32[T]; inv_freq: [H/2]."""
+    freqs = positions.astype(jnp.float32)[:, None] * inv_freq[None, :]  # [T, H/2]
+    emb = jnp.concatenate([freqs, freqs], axis=-1)  # [T, H]
+    cos = (jnp.cos(emb) * scale).astype(x.dtype)[:, None, :]  # [T, 1, H]
+    sin = (jnp.sin(emb) * scale).astype(x.dtype)[:, None, :]
+    return x * cos + rotate_half(x) * sin

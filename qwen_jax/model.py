@@ -1,0 +1,140 @@
+"""The Qwen3 / Qwen3-MoE decoder: embeddings, scanned layer segments, final norm, lm head."""
+
+from __future__ import annotations
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+from flax import nnx
+
+from qwen_jax.attention import Attention, AttentionMetadata
+from qwen_jax.config import ModelConfig
+from qwen_jax.layers import RMSNorm, init_param
+from qwen_jax.moe import MLP, SparseMoE
+
+KVCache = list  # per segment: (k [X*P, L, K, H], v [X*P, L, K, H])
+
+
+def default_impl() -> str:
+    """Pallas kernels on GPU, the jnp references elsewhere."""
+    return "pallas" if jax.default_backend() == "gpu" else "reference"
+
+
+class DecoderLayer(nnx.Module):
+    """HF `model.layers.{i}`; built with `stack=(X,)` to hold X layers' params stacked."""
+
+    def __init__(self, cfg: ModelConfig, kind: str, *, stack=(), dtype=jnp.float32, rngs=None):
+        self.input_layernorm = RMSNorm(cfg.hidden_size, cfg.rms_norm_eps, stack=stack, dtype=dtype)
+        self.self_attn = Attention(cfg, stack=stack, dtype=dtype, rngs=rngs)
+        self.post_attention_layernorm = RMSNorm(cfg.hidden_size, cfg.rms_norm_eps, stack=stack,
+                                                dtype=dtype)
+        mlp_cls = SparseMoE if kind == "moe" else MLP
+        self.mlp = mlp_cls(cfg, stack=stack, dtype=dtype, rngs=rngs)
+
+    def __call__(self, x, positions, kv_cache, meta, page_offset, valid, rope, impl):
+        attn_out, kv_cache = self.self_attn(self.input_layernorm(x), positions, kv_cache, meta,
+                                            page_offset, rope, impl)
+        x = x + attn_out
+        x = x + self.mlp(self.post_attention_layernorm(x), valid, impl)
+        return x, kv_cache
+
+
+def run_segment(stack: DecoderLayer, x, positions, kv_cache, meta, valid, rope, impl):
+    """Scan the stacked layers of one segment; the cache rides in the carry (in place)."""
+    graphdef, state = nnx.split(stack)
+    num_layers = jax.tree.leaves(state)[0].shape[0]
+    pages_per_layer = kv_cache[0].shape[0] // num_layers
+
+    def body(carry, xs):
+        h, kv = carry
+        layer_state, layer_idx = xs
+        layer = nnx.merge(graphdef, layer_state)
+        h, kv = layer(h, positions, kv, meta, layer_idx * pages_per_layer, valid, rope, impl)
+        return (h, kv), None
+
+    layer_ids = jnp.arange(num_layers, dtype=jnp.int32)
+    (x, kv_cache), _ = jax.lax.scan(body, (x, kv_cache), (state, layer_ids))
+    return x, kv_cache
+
+
+class Qwen3ForCausalLM(nnx.Module):
+    """Qwen3 (dense) and Qwen3-MoE causal LM. HF names: embed_tokens <- model.embed_tokens,
+    segments[s] <- model.layers[first:first+count], norm <- model.norm, lm_head <- lm_head."""
+
+    def __init__(self, cfg: ModelConfig, *, dtype=jnp.float32, rngs: nnx.Rngs | None = None,
+                 impl: str | None = None):
+        rngs = rngs if rngs is not None else nnx.Rngs(0)
+        self.config = cfg
+        self.impl = impl or default_impl()
+        self.embed_tokens = init_param(rngs, (cfg.vocab_size, cfg.hidden_size), dtype)  # [V, D]
+        self.segments = nnx.List([
+            DecoderLayer(cfg, kind, stack=(count,), dtype=dtype, rngs=rngs)
+            for kind, _, count in cfg.segments])
+        self.norm = RMSNorm(cfg.hidden_size, cfg.rms_norm_eps, dtype=dtype)
+        self.lm_head = (None if cfg.tie_word_embeddings
+                        else init_param(rngs, (cfg.hidden_size, cfg.vocab_size), dtype))  # [D, V]
+        inv_freq, scale = cfg.rope_inv_freq_and_scale
+        self.rope_scale = float(scale)
+        self.rope_inv_freq = nnx.Variable(jnp.asarray(inv_freq))  # buffer, not a Param
+
+    @property
+    def dtype(self):
+        return self.embed_tokens.dtype
+
+    # ---- serving path ------------------------------------------------------------------
+    def forward(self, token_ids, positions, kv_caches: KVCache, meta: AttentionMetadata):
+        """token_ids, positions: int32[T] -> (final hidden [T, D], updated caches)."""
+        x = self.embed_tokens[...][token_ids]  # [T, D]
+        valid = meta.valid_tokens(token_ids.shape[0])
+        rope = (self.rope_inv_freq[...], self.rope_scale)
+        new_caches = []
+        for stack, kv in zip(self.segments, kv_caches):
+            x, kv = run_segment(stack, x, positions, kv, meta, valid, rope, self.impl)
+            new_caches.append(kv)
+        return self.norm(x), new_caches
+
+    def compute_logits(self, hidden: jax.Array) -> jax.Array:
+        """hidden: [..., D] -> float32 logits [..., V]."""
+        head = self.embed_tokens[...].T if self.lm_head is None else self.lm_head[...]
+        return jnp.einsum("...d,dv->...v", hidden, head, preferred_element_type=jnp.float32)
+
+    def init_kv_caches(self, num_pages: int, page_size: int, dtype=None) -> KVCache:
+        """Zeroed caches: per segment of X layers, K and V of [X * num_pages, L, K, H]."""
+        cfg = self.config
+        dtype = dtype or self.dtype
+        shape = lambda count: (count * num_pages, page_size, cfg.num_key_value_heads, cfg.head_dim)
+        return [(jnp.zeros(shape(c), dtype), jnp.zeros(shape(c), dtype))
+                for _, _, c in cfg.segments]
+
+    # ---- full-sequence path ------------------------------------------------------------
+    def __call__(self, input_ids: jax.Array, page_size: int = 16) -> jax.Array:
+        """input_ids: int32[B, T] -> float32 logits [B, T, V] (causal, no padding)."""
+        batch, seq_len = input_ids.shape
+        meta, num_pages = contiguous_metadata(batch, seq_len, page_size)
+        positions = jnp.tile(jnp.arange(seq_len, dtype=jnp.int32), batch)
+        caches = self.init_kv_caches(num_pages, page_size)
+        hidden, _ = self.forward(input_ids.reshape(-1).astype(jnp.int32), positions, caches, meta)
+        return self.compute_logits(hidden).reshape(batch, seq_len, -1)
+
+    @classmethod
+    def from_pretrained(cls, path, dtype="float32", *, impl: str | None = None,
+                        load_format: str = "auto") -> "Qwen3ForCausalLM":
+        """Load an HF safetensors checkpoint, an orbax checkpoint written by
+        `qwen-jax convert`, or (load_format="dummy" or a preset name) random weights."""
+        from qwen_jax.weights import load_model
+        return load_model(path, dtype=dtype, impl=impl, load_format=load_format)
+
+
+def contiguous_metadata(batch: int, seq_len: int, page_size: int):
+    """Metadata of B whole sequences of length T laid out on consecutive pages after page 0."""
+    pages_per_seq = -(-seq_len // page_size)
+    page_table = 1 + np.arange(batch * pages_per_seq, dtype=np.int32).reshape(batch, pages_per_seq)
+    pos = np.arange(seq_len)
+    slots = page_table[:, pos // page_size] * page_size + pos % page_size  # [B, T]
+    meta = AttentionMetadata(
+        slot_mapping=jnp.asarray(slots.reshape(-1), jnp.int32),
+        query_start=jnp.arange(batch + 1, dtype=jnp.int32) * seq_len,
+        kv_lens=jnp.full((batch,), seq_len, jnp.int32),
+        page_table=jnp.asarray(page_table),
+        num_seqs=jnp.asarray(batch, jnp.int32))
+    return meta, 1 + batch * pages_per_seq
