@@ -1,0 +1,83 @@
+"""Bucket sizes and engine config validation."""
+
+import pytest
+
+from serving.buckets import bucket_pairs, make_buckets, pick_bucket
+from serving.config import CacheConfig, SchedulerConfig
+
+
+def test_make_buckets_powers_of_two_with_limit_included():
+    assert make_buckets(512, minimum=8) == [8, 16, 32, 64, 128, 256, 512]
+    assert make_buckets(100, minimum=8) == [8, 16, 32, 64, 100]
+    assert make_buckets(6, minimum=4) == [4, 6]
+    assert make_buckets(3, minimum=8) == [3]
+    assert make_buckets(20, minimum=5) == [8, 16, 20]
+
+
+def test_pick_bucket_smallest_that_fits():
+    buckets = [8, 16, 32, 100]
+    assert pick_bucket(1, buckets) == 8
+    assert pick_bucket(8, buckets) == 8
+    assert pick_bucket(9, buckets) == 16
+    assert pick_bucket(100, buckets) == 100
+    with pytest.raises(ValueError, match="101 exceeds the largest bucket 100"):
+        pick_bucket(101, buckets)
+
+
+def test_bucket_pairs_cover_every_feasible_step():
+    tokens, seqs = [8, 12], [4, 8, 16]
+    pairs = set(bucket_pairs(tokens, seqs))
+    for num_tokens in range(1, 13):
+        for num_seqs in range(1, num_tokens + 1):
+            assert (pick_bucket(num_tokens, tokens), pick_bucket(num_seqs, seqs)) in pairs
+    assert (8, 16) not in pairs
+
+
+def test_scheduler_config_default_buckets():
+    c = SchedulerConfig(max_num_seqs=64, max_num_batched_tokens=512)
+    assert c.token_bucket_sizes == (8, 16, 32, 64, 128, 256, 512)
+    assert c.seq_bucket_sizes == (4, 8, 16, 32, 64)
+    assert c.pages_per_seq(16) == 128
+
+
+def test_scheduler_config_custom_buckets_sorted_and_must_reach_limit():
+    c = SchedulerConfig(max_num_seqs=8, max_num_batched_tokens=64, token_buckets=(64, 16))
+    assert c.token_bucket_sizes == (16, 64)
+    with pytest.raises(ValueError, match="token_buckets must include a bucket >= "
+                                         "max_num_batched_tokens=64, got max 32"):
+        SchedulerConfig(max_num_seqs=8, max_num_batched_tokens=64, token_buckets=(16, 32))
+
+
+@pytest.mark.parametrize("kwargs, message", [
+    (dict(max_num_seqs=0), "max_num_seqs must be >= 1, got 0"),
+    (dict(max_num_seqs=64, max_num_batched_tokens=32),
+     "max_num_batched_tokens must be >= max_num_seqs=64, got 32"),
+    (dict(watermark=1.0), "watermark must be in [0, 1), got 1.0"),
+    (dict(policy="lifo"), "policy must be one of ('fcfs', 'priority'), got 'lifo'"),
+    (dict(max_waiting=0), "max_waiting must be >= 1 or None, got 0"),
+])
+def test_scheduler_config_validation(kwargs, message):
+    with pytest.raises(ValueError) as info:
+        SchedulerConfig(**kwargs)
+    assert message in str(info.value)
+
+
+@pytest.mark.parametrize("kwargs, message", [
+    (dict(block_size=12), "block_size must be a power of two >= 1, got 12"),
+    (dict(num_gpu_blocks_override=1), "num_gpu_blocks_override must be >= 2"),
+    (dict(gpu_memory_utilization=0), "gpu_memory_utilization must be in (0, 1], got 0"),
+    (dict(kv_cache_dtype="fp4"), "kv_cache_dtype must be one of"),
+    (dict(swap_space=-1), "swap_space must be >= 0, got -1"),
+])
+def test_cache_config_validation(kwargs, message):
+    with pytest.raises(ValueError) as info:
+        CacheConfig(**kwargs)
+    assert message in str(info.value)
+
+
+def test_configs_are_frozen_and_keyword_only():
+    c = CacheConfig()
+    with pytest.raises(AttributeError):
+        c.block_size = 32
+    with pytest.raises(TypeError):
+        CacheConfig(16)

@@ -1,0 +1,25 @@
+"""The host-side serving core must never pull in jax."""
+
+import subprocess
+import sys
+
+MODULES = ["serving.request", "serving.block_pool", "serving.kv_cache_manager",
+           "serving.scheduler", "serving.buckets", "serving.batch", "serving.config"]
+
+
+def test_core_modules_do_not_import_jax():
+    code = ("import sys\n" + "".join(f"import {m}\n" for m in MODULES)
+            + "print(sorted(m for m in sys.modules if m == 'jax' or m.startswith('jax.')))")
+    result = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True,
+                            check=True)
+    assert result.stdout.strip() == "[]"
+
+
+def test_pure_python_modules_do_not_import_numpy():
+    pure = ["serving.request", "serving.block_pool", "serving.kv_cache_manager",
+            "serving.scheduler", "serving.buckets", "serving.config"]
+    code = ("import sys\n" + "".join(f"import {m}\n" for m in pure)
+            + "print('numpy' in sys.modules)")
+    result = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True,
+                            check=True)
+    assert result.stdout.strip() == "False"

@@ -1,0 +1,103 @@
+"""SamplingParams validation, status ordering, Request bookkeeping."""
+
+import pytest
+
+from serving.request import (CompletionOutput, Request, RequestOutput, RequestStatus,
+                             SamplingParams)
+
+
+def test_sampling_params_defaults_match_vllm():
+    p = SamplingParams()
+    assert (p.n, p.temperature, p.top_p, p.top_k, p.min_p) == (1, 1.0, 1.0, 0, 0.0)
+    assert (p.max_tokens, p.min_tokens, p.logprobs, p.seed) == (16, 0, None, None)
+    assert p.stop == [] and p.stop_token_ids == []
+    assert p.skip_special_tokens and not p.ignore_eos and not p.include_stop_str_in_output
+
+
+def test_stop_string_normalised_to_list():
+    assert SamplingParams(stop="###").stop == ["###"]
+    assert SamplingParams(stop=("a", "b")).stop == ["a", "b"]
+
+
+@pytest.mark.parametrize("field, value, fragment", [
+    ("n", 0, "n must be in [1, 128], got 0"),
+    ("n", 129, "n must be in [1, 128], got 129"),
+    ("temperature", -1, "temperature must be >= 0, got -1"),
+    ("top_p", 0.0, "top_p must be in (0, 1], got 0.0"),
+    ("top_p", 1.5, "top_p must be in (0, 1], got 1.5"),
+    ("top_k", -2, "top_k must be -1 (disabled) or >= 0, got -2"),
+    ("min_p", 1.5, "min_p must be in [0.0, 1.0], got 1.5"),
+    ("presence_penalty", 2.5, "presence_penalty must be in [-2.0, 2.0], got 2.5"),
+    ("frequency_penalty", -3, "frequency_penalty must be in [-2.0, 2.0], got -3"),
+    ("repetition_penalty", 0.0, "repetition_penalty must be > 0, got 0.0"),
+    ("max_tokens", 0, "max_tokens must be >= 1 or None, got 0"),
+    ("min_tokens", -1, "min_tokens must be >= 0, got -1"),
+    ("logprobs", 21, "logprobs must be in [0, 20], got 21"),
+    ("prompt_logprobs", -1, "prompt_logprobs must be in [0, 20], got -1"),
+    ("seed", 1.5, "seed must be an int or None, got 1.5"),
+])
+def test_sampling_params_validation_names_field_value_limit(field, value, fragment):
+    with pytest.raises(ValueError) as info:
+        SamplingParams(**{field: value})
+    assert fragment in str(info.value)
+
+
+def test_min_tokens_above_max_tokens_rejected():
+    with pytest.raises(ValueError, match=r"min_tokens must be <= max_tokens=4, got 5"):
+        SamplingParams(max_tokens=4, min_tokens=5)
+    assert SamplingParams(max_tokens=None, min_tokens=50).min_tokens == 50
+
+
+def test_greedy_below_sampling_eps():
+    assert SamplingParams(temperature=0.0).greedy
+    assert SamplingParams(temperature=1e-6).greedy
+    assert not SamplingParams(temperature=1e-4).greedy
+
+
+def test_top_k_minus_one_and_zero_are_disabled():
+    assert not SamplingParams(top_k=-1).top_k_enabled
+    assert not SamplingParams(top_k=0).top_k_enabled
+    assert SamplingParams(top_k=5).top_k_enabled
+
+
+def test_status_order_makes_is_finished_one_comparison():
+    live = [RequestStatus.WAITING, RequestStatus.RUNNING, RequestStatus.PREEMPTED]
+    assert not any(RequestStatus.is_finished(s) for s in live)
+    done = [s for s in RequestStatus if s not in live]
+    assert all(RequestStatus.is_finished(s) for s in done)
+    assert max(live) < min(done)
+
+
+def test_finish_reasons():
+    reasons = {s: RequestStatus.finish_reason(s) for s in RequestStatus}
+    assert reasons[RequestStatus.FINISHED_STOPPED] == "stop"
+    assert reasons[RequestStatus.FINISHED_LENGTH_CAPPED] == "length"
+    assert reasons[RequestStatus.FINISHED_ABORTED] == "abort"
+    assert reasons[RequestStatus.FINISHED_ERROR] == "error"
+    assert reasons[RequestStatus.RUNNING] is None
+
+
+def test_request_derived_counts_and_append():
+    r = Request("r", [1, 2, 3])
+    r.append_output_token(7)
+    r.append_output_token(8)
+    assert r.all_token_ids == [1, 2, 3, 7, 8]
+    assert (r.num_tokens, r.num_prompt_tokens, r.num_output_tokens) == (5, 3, 2)
+    assert r.tokens(2, 4) == [3, 7] and r.tokens(3, 5) == [7, 8] and r.token_at(4) == 8
+    assert r.metrics.first_token_time is not None
+    assert r.metrics.last_token_time >= r.metrics.first_token_time
+    assert not r.is_finished
+    r.status = RequestStatus.FINISHED_LENGTH_CAPPED
+    assert r.is_finished and r.finish_reason == "length"
+
+
+def test_request_rejects_empty_prompt():
+    with pytest.raises(ValueError, match="prompt_token_ids must be non-empty"):
+        Request("r", [])
+
+
+def test_outputs_shaped_like_vllm():
+    c = CompletionOutput(index=0, text="hi", token_ids=[1], finish_reason="stop")
+    out = RequestOutput(request_id="r", prompt="p", prompt_token_ids=[5], prompt_logprobs=None,
+                        outputs=[c], finished=True)
+    assert out.outputs[0].finished() and out.outputs[0].cumulative_logprob is None
