@@ -1,0 +1,89 @@
+"""Padded ragged ModelInputs for a mixed prefill + decode step."""
+
+import numpy as np
+import pytest
+
+from serving.batch import build_model_inputs
+from serving.request import Request
+from serving.scheduler import ScheduledSeq, SchedulerOutput
+
+BS = 4
+PAGES = 4
+
+
+def seq(rid, tokens, block_ids, start, num_new):
+    request = Request(rid, list(tokens))
+    request.block_ids = list(block_ids)
+    return ScheduledSeq(request, num_new, start, start + num_new == request.num_tokens)
+
+
+@pytest.fixture
+def mixed():
+    """A decode (position 5), a first prefill chunk (3 of 9) and a full prefill (2)."""
+    decode = seq("d", range(10, 16), [7, 3], start=5, num_new=1)
+    chunk = seq("c", range(20, 29), [5, 6, 8], start=0, num_new=3)
+    prefill = seq("p", [40, 41], [2], start=0, num_new=2)
+    out = SchedulerOutput(scheduled=[decode, chunk, prefill], preempted=[])
+    return build_model_inputs(out, token_buckets=[8, 16], seq_buckets=[4, 8],
+                              block_size=BS, pages_per_seq=PAGES)
+
+
+def test_picks_smallest_buckets_that_fit(mixed):
+    assert mixed.bucket == (8, 4) and mixed.num_tokens == 6 and int(mixed.num_seqs) == 3
+    assert mixed.num_seqs.shape == () and mixed.num_seqs.dtype == np.int32
+
+
+def test_all_arrays_are_int32(mixed):
+    assert all(a.dtype == np.int32 for a in mixed.arrays().values())
+    assert "num_tokens" not in mixed.arrays()
+
+
+def test_tokens_and_positions_per_sequence(mixed):
+    assert mixed.token_ids.tolist() == [15, 20, 21, 22, 40, 41, 0, 0]
+    assert mixed.positions.tolist() == [5, 0, 1, 2, 0, 1, 0, 0]
+
+
+def test_slot_mapping_follows_page_table_and_padding_goes_to_page_zero(mixed):
+    # position 5 of "d" is page 3 offset 1; "c" fills page 5; "p" page 2.
+    assert mixed.slot_mapping.tolist() == [3 * BS + 1, 20, 21, 22, 8, 9, 0, 0]
+    assert (mixed.slot_mapping[mixed.num_tokens:] // BS == 0).all()
+
+
+def test_query_start_repeats_last_value_for_padding_sequences(mixed):
+    assert mixed.query_start.tolist() == [0, 1, 4, 6, 6]
+
+
+def test_kv_lens_zero_for_padding(mixed):
+    assert mixed.kv_lens.tolist() == [6, 3, 2, 0]
+
+
+def test_page_table_zero_filled(mixed):
+    assert mixed.page_table.shape == (4, PAGES)
+    assert mixed.page_table.tolist() == [[7, 3, 0, 0], [5, 6, 8, 0], [2, 0, 0, 0], [0, 0, 0, 0]]
+
+
+def test_logits_index_points_at_last_token_of_each_chunk(mixed):
+    assert mixed.logits_index.tolist() == [0, 3, 5, 0]
+
+
+def test_decode_only_batch_of_many_sequences():
+    seqs = [seq(f"r{i}", range(i, i + 9), [i + 1, i + 2, i + 3], start=8, num_new=1)
+            for i in range(5)]
+    inputs = build_model_inputs(SchedulerOutput(seqs, []), [8, 16], [4, 8], BS, PAGES)
+    assert inputs.bucket == (8, 8)
+    assert inputs.positions[:5].tolist() == [8] * 5
+    assert inputs.slot_mapping[:5].tolist() == [(i + 3) * BS for i in range(5)]
+    assert inputs.logits_index.tolist() == [0, 1, 2, 3, 4, 0, 0, 0]
+    assert inputs.query_start.tolist() == [0, 1, 2, 3, 4, 5, 5, 5, 5]
+
+
+def test_too_many_pages_for_the_table_is_an_error():
+    s = seq("x", range(20), [1, 2, 3, 4, 5], start=0, num_new=17)
+    with pytest.raises(ValueError, match="pages_per_seq=4"):
+        build_model_inputs(SchedulerOutput([s], []), [32], [4], BS, PAGES)
+
+
+def test_too_many_tokens_for_the_buckets_is_an_error():
+    s = seq("x", range(20), [1, 2, 3, 4, 5], start=0, num_new=20)
+    with pytest.raises(ValueError, match="exceeds the largest bucket 16"):
+        build_model_inputs(SchedulerOutput([s], []), [8, 16], [4], BS, 8)
