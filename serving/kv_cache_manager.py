@@ -69,12 +69,12 @@ class KVCacheManager:
         admission. `num_reserved_blocks` pages must stay free afterwards (the
         admission watermark).
         """
-        computed = new_computed_blocks or []
+        computed = new_computed_blocks or ()
         num_tokens = request.num_computed_tokens + len(computed) * self.block_size + num_new_tokens
         num_new_blocks = cdiv(num_tokens, self.block_size) - len(request.block_ids) - len(computed)
         num_new_blocks = max(num_new_blocks, 0)
         # Cached hits nobody holds are counted as free; taking them uses up free pages.
-        num_revived = sum(1 for block in computed if block.ref_count == 0)
+        num_revived = sum(1 for block in computed if block.ref_count == 0) if computed else 0
         if num_new_blocks + num_revived + num_reserved_blocks > self.num_free_blocks:
             return False
         self.pool.touch(computed)

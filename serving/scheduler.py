@@ -174,8 +174,10 @@ class Scheduler:
             request = self.waiting[0]
             hits, num_cached = self.kv.get_computed_blocks(request)
             num_new = min(request.num_tokens - num_cached, step.budget)
-            if not self.kv.allocate_slots(request, num_new, hits,
-                                          num_reserved_blocks=self.watermark_blocks):
+            # The watermark protects running requests' growth; with none running
+            # it could only keep a large request waiting forever.
+            reserved = self.watermark_blocks if self.running else 0
+            if not self.kv.allocate_slots(request, num_new, hits, num_reserved_blocks=reserved):
                 break
             self.waiting.popleft()
             self._admit(request, num_cached)

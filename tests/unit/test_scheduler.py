@@ -249,3 +249,10 @@ def test_finish_requires_a_finished_status():
     s.add_request(make_request("a", 2))
     with pytest.raises(ValueError, match="finished status, got RUNNING"):
         s.finish("a", RequestStatus.RUNNING)
+
+
+def test_watermark_is_waived_when_nothing_is_running():
+    s = make_scheduler(num_blocks=11, watermark=0.2, max_model_len=40, max_num_batched_tokens=64)
+    s.add_request(make_request("big", 36, max_tokens=1))  # 9 of 10 pages
+    out = step(s)
+    assert chunks(out) == [("big", 36)]
