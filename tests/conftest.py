@@ -1,0 +1,13 @@
+"""Test-wide setup. XLA must see 8 host devices before jax is first imported (sharding
+tests); float32 matmuls use full precision so parity tolerances mean what they say."""
+
+import os
+
+os.environ["XLA_FLAGS"] = (os.environ.get("XLA_FLAGS", "")
+                           + " --xla_force_host_platform_device_count=8").strip()
+os.environ.setdefault("JAX_PLATFORMS", "cpu")
+os.environ.setdefault("TOKENIZERS_PARALLELISM", "false")
+
+import jax  # noqa: E402
+
+jax.config.update("jax_default_matmul_precision", "highest")
