@@ -95,3 +95,20 @@ def as_float(x):
 
 BF16 = ml_dtypes.bfloat16
 FP8 = ml_dtypes.float8_e4m3fn
+
+
+def run_interpreted():
+    """Kernels run interpreted on CPU and compiled on GPUs.
+
+    PALLAS_KERNELS_INTERPRET=1 / 0 forces either; unset, the backend decides."""
+    import os
+
+    import jax
+
+    forced = os.environ.get("PALLAS_KERNELS_INTERPRET")
+    if forced is not None:
+        return forced not in ("0", "false", "False")
+    return jax.default_backend() != "gpu"
+
+
+INTERPRET = run_interpreted()

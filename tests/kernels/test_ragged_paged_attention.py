@@ -1,0 +1,125 @@
+"""The ragged paged attention kernel against its jnp reference.
+
+Tolerances: fp32 inputs 1e-4 (only summation order differs: both accumulate in fp32,
+the kernel online, the reference in one softmax); bf16 inputs 2e-2, from the kernel
+rounding probabilities to bf16 before the P @ V matmul and bf16 output rounding.
+"""
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+import pytest
+
+from kernel_cases import BF16, FP8, INTERPRET, as_float, make_case
+from pallas_kernels import ragged_paged_attention, ragged_paged_attention_reference
+
+PAGE = 16
+# (q_len, kv_len): decodes at kv 1, a page boundary (16, 32) and one past it; a short
+# prefill continuing a context; a full 32-row chunk from scratch; a long context.
+MIXED = [(1, 1), (1, 32), (5, 21), (32, 32), (1, 17), (3, 150)]
+DECODE = [(1, 1), (1, 16), (1, 17), (1, 100)]
+CHUNKS = [(32, 48), (32, 96)]
+TOLERANCE = {np.float32: 1e-4, BF16: 2e-2}
+
+
+def _compare(case, *, sm_scale, tol, **blocks):
+    out = ragged_paged_attention(*case.args(), sm_scale=sm_scale, k_scale=case.k_scale,
+                                 v_scale=case.v_scale, interpret=INTERPRET, **blocks)
+    expected = jax.jit(ragged_paged_attention_reference, static_argnames="sm_scale")(
+        *case.args(), sm_scale=sm_scale, k_scale=case.k_scale, v_scale=case.v_scale)
+    assert out.shape == case.q.shape and out.dtype == case.q.dtype
+    np.testing.assert_allclose(as_float(out), as_float(expected), atol=tol, rtol=tol)
+    return as_float(out)
+
+
+@pytest.mark.parametrize("seqs,group,head_dim,dtype", [
+    (MIXED, 1, 64, np.float32),
+    (MIXED, 4, 128, BF16),
+    (MIXED, 8, 64, BF16),
+    (MIXED, 8, 128, np.float32),
+    (DECODE, 1, 128, BF16),
+    (DECODE, 4, 64, np.float32),
+    (DECODE, 8, 128, BF16),
+    (CHUNKS, 4, 64, BF16),
+    (CHUNKS, 8, 128, np.float32),
+], ids=lambda v: v if isinstance(v, (int, str)) else None)
+def test_kernel_matches_reference(seqs, group, head_dim, dtype):
+    num_pages = -(-max(kv for _, kv in seqs) // PAGE)
+    case = make_case(seqs, num_q_heads=2 * group, num_kv_heads=2, head_dim=head_dim,
+                     page_size=PAGE, pages_per_seq=num_pages + 1, dtype=dtype)
+    _compare(case, sm_scale=head_dim ** -0.5, tol=TOLERANCE[dtype])
+
+
+def test_padding_rows_and_sequences_are_zero():
+    case = make_case(MIXED[:3], num_q_heads=8, num_kv_heads=2, head_dim=64,
+                     page_size=PAGE, pages_per_seq=3, num_pad_seqs=2, num_pad_tokens=19)
+    out = _compare(case, sm_scale=0.125, tol=1e-4)
+    assert not np.any(out[case.query_start[case.num_seqs]:])
+    assert np.all(np.any(out[:case.query_start[case.num_seqs]], axis=(1, 2)))
+
+
+def test_all_padding_gives_zeros():
+    case = make_case(MIXED[:3], num_q_heads=8, num_kv_heads=2, head_dim=64,
+                     page_size=PAGE, pages_per_seq=3, num_pad_tokens=4)
+    out = ragged_paged_attention(*case.args()[:-1], np.int32(0), sm_scale=0.125,
+                                 interpret=INTERPRET)
+    assert not np.any(as_float(out))
+
+
+@pytest.mark.parametrize("kv_dtype", [np.int8, FP8], ids=["int8", "fp8"])
+def test_quantized_pages_with_per_head_scales(kv_dtype):
+    case = make_case(MIXED, num_q_heads=8, num_kv_heads=2, head_dim=64, page_size=PAGE,
+                     pages_per_seq=10, dtype=BF16, kv_dtype=kv_dtype)
+    _compare(case, sm_scale=0.125, tol=2e-2)
+
+
+def test_group_not_a_power_of_two_and_explicit_blocks():
+    # 3 query heads per kv head are padded to 4 inside the wrapper.
+    case = make_case(MIXED, num_q_heads=6, num_kv_heads=2, head_dim=64, page_size=8,
+                     pages_per_seq=19)
+    _compare(case, sm_scale=0.125, tol=1e-4, block_q=4, block_k=32)
+
+
+def test_jits_with_traced_num_seqs_and_lowers_to_triton_for_qwen_shapes():
+    # Qwen3-30B-A3B: 32 q heads, 4 kv heads, head dim 128; lowering needs no GPU.
+    f32 = jax.ShapeDtypeStruct
+    for num_tokens, num_seqs_max in ((64, 64), (512, 4)):
+        args = (f32((num_tokens, 32, 128), jnp.bfloat16), f32((512, 16, 4, 128), jnp.bfloat16),
+                f32((512, 16, 4, 128), jnp.bfloat16), f32((num_seqs_max,), jnp.int32),
+                f32((num_seqs_max, 128), jnp.int32), f32((num_seqs_max + 1,), jnp.int32),
+                f32((), jnp.int32))
+        lowered = jax.jit(lambda *a: ragged_paged_attention(*a, sm_scale=0.088)).trace(
+            *args).lower(lowering_platforms=("cuda",))
+        assert "xla.gpu.triton" in lowered.as_text()
+
+
+@pytest.mark.parametrize("change,match", [
+    (dict(q=np.zeros((4, 8, 64, 1), np.float32)), "q has shape"),
+    (dict(q=np.zeros((4, 7, 64), np.float32)), "divisible by k_pages' 2 kv heads"),
+    (dict(q=np.zeros((4, 8, 48), np.float32)), "k_pages has shape"),
+    (dict(v_pages=np.zeros((9, 8, 2, 32), np.float32)), "v_pages has shape"),
+    (dict(page_table=np.zeros((3, 2), np.int32)), "page_table has shape"),
+    (dict(query_start=np.zeros((2,), np.int32)), r"query_start has shape \(2,\)"),
+    (dict(kv_lens=np.zeros((2, 1), np.int32)), "kv_lens has shape"),
+    (dict(k_scale=np.ones((3,), np.float32)), r"k_scale has shape \(3,\)"),
+    (dict(block_q=3), "block_q is 3"),
+    (dict(block_k=8), "block_k is 8"),
+])
+def test_bad_shapes_raise_value_error_naming_the_argument(change, match):
+    args = dict(q=np.zeros((4, 8, 64), np.float32),
+                k_pages=np.zeros((9, 8, 2, 64), np.float32),
+                v_pages=np.zeros((9, 8, 2, 64), np.float32),
+                kv_lens=np.zeros((2,), np.int32), page_table=np.zeros((2, 4), np.int32),
+                query_start=np.zeros((3,), np.int32), num_seqs=np.int32(2),
+                sm_scale=0.1, interpret=True)
+    args.update(change)
+    with pytest.raises(ValueError, match=match):
+        ragged_paged_attention(**args)
+
+
+def test_quantized_pages_without_scales_raise():
+    pages = np.zeros((9, 8, 2, 64), np.int8)
+    with pytest.raises(ValueError, match="k_scale is required"):
+        ragged_paged_attention(np.zeros((4, 8, 64), np.float32), pages, pages,
+                               np.zeros((2,), np.int32), np.zeros((2, 4), np.int32),
+                               np.zeros((3,), np.int32), np.int32(2), sm_scale=0.1)
