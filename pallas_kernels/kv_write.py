@@ -30,6 +30,8 @@ def write_kv_pages(k_pages, v_pages, k_new, v_new, slot_mapping, *, k_scale=None
     with slot = page * L + offset, negative for padding tokens (they are dropped).
     k_scale, v_scale: float32[K] when the pages hold fp8/int8 (values are divided by them).
     """
+    k_pages, v_pages, k_new, v_new, slot_mapping = map(
+        jnp.asarray, (k_pages, v_pages, k_new, v_new, slot_mapping))
     num_pages, page_size, num_kv_heads, head_dim = k_pages.shape
     if k_new.shape != v_new.shape or k_new.shape[1:] != (num_kv_heads, head_dim):
         raise ValueError(f"k_new/v_new have shapes {tuple(k_new.shape)}/"
