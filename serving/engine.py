@@ -1,0 +1,247 @@
+"""LLMEngine: add requests, step (schedule -> batch -> jitted step -> outputs), abort, stats."""
+
+from __future__ import annotations
+
+import logging
+import time
+from pathlib import Path
+
+import jax
+import numpy as np
+
+from qwen_jax.weights import load_model, resolve_model_path
+from serving import kv_cache
+from serving.batch import build_model_inputs
+from serving.buckets import bucket_pairs
+from serving.config import EngineConfig
+from serving.kv_cache_manager import KVCacheManager, cdiv
+from serving.output_processor import OutputProcessor, ParentState, SeqState
+from serving.request import Request, RequestOutput, RequestStatus, SamplingParams
+from serving.runner import ModelRunner, default_compilation_cache_dir, enable_compilation_cache
+from serving.sampler import NUM_BLOCKED, build_sampling_arrays, uses_penalties
+from serving.scheduler import Scheduler
+
+logger = logging.getLogger(__name__)
+DEFAULT_MODEL_DIR = Path(__file__).resolve().parent.parent / "qwen_jax" / "assets" / "tiny-qwen3-moe"
+
+
+def default_model() -> str:
+    return str(DEFAULT_MODEL_DIR)
+
+
+class LLMEngine:
+    def __init__(self, config: EngineConfig):
+        self.config = config
+        cache_dir = config.compilation_cache_dir
+        enable_compilation_cache(default_compilation_cache_dir() if cache_dir == "default" else cache_dir)
+        started = time.perf_counter()
+        self.model_path = resolve_model_path(config.model or default_model())
+        self.model = load_model(self.model_path, dtype=self._dtype(), impl=self._impl(),
+                                load_format=config.load_format, seed=config.seed)
+        self.load_seconds = time.perf_counter() - started
+        self.model_config = self.model.config
+        self.tokenizer = self._load_tokenizer()
+        eos = set(self.model_config.eos_token_ids)
+        if self.tokenizer is not None:
+            eos |= set(self.tokenizer.eos_token_ids)
+        self.output_processor = OutputProcessor(self.tokenizer, tuple(sorted(eos)))
+        self._init_cache_and_scheduler()
+        self._rng = np.random.default_rng(config.seed)
+        self._seqs: dict[str, SeqState] = {}
+        self._parents: dict[str, ParentState] = {}
+        self.compile_seconds = 0.0
+        if config.precompile:
+            self.compile_seconds = self.runner.precompile(
+                self.bucket_pairs, self.pages_per_seq, progress=config.show_progress)
+
+    # ---- construction ------------------------------------------------------------------
+    def _dtype(self) -> str:
+        if self.config.dtype != "auto":
+            return self.config.dtype
+        return "bfloat16" if jax.default_backend() == "gpu" else "float32"
+
+    def _impl(self) -> str | None:
+        return None if self.config.impl == "auto" else self.config.impl
+
+    def _load_tokenizer(self):
+        from qwen_jax.tokenizer import Tokenizer
+        path = Path(self.config.tokenizer or self.model_path)
+        return Tokenizer.from_dir(path) if path.is_dir() else None
+
+    def _init_cache_and_scheduler(self) -> None:
+        sched, cache = self.config.scheduler, self.config.cache
+        if sched.max_model_len > self.model_config.max_position_embeddings:
+            raise ValueError(
+                f"max_model_len={sched.max_model_len} exceeds the model's "
+                f"max_position_embeddings={self.model_config.max_position_embeddings}")
+        self.block_size = cache.block_size
+        self.pages_per_seq = sched.pages_per_seq(cache.block_size)
+        dtype = kv_cache.kv_cache_dtype(cache.kv_cache_dtype, self.model.dtype)
+        max_pages = 1 + sched.max_num_seqs * self.pages_per_seq
+        self.num_pages = kv_cache.num_pages_to_allocate(self.model_config, cache, max_pages, dtype)
+        self.bytes_per_page = kv_cache.bytes_per_page(self.model_config, cache.block_size, dtype)
+        caches = kv_cache.allocate(self.model, self.num_pages, cache.block_size, dtype)
+        self.kv_manager = KVCacheManager(self.num_pages, cache.block_size,
+                                         cache.enable_prefix_caching)
+        self.scheduler = Scheduler(sched, self.kv_manager)
+        self.runner = ModelRunner(self.model, caches, max_model_len=sched.max_model_len)
+        self.bucket_pairs = bucket_pairs(sched.token_bucket_sizes, sched.seq_bucket_sizes)
+
+    @property
+    def max_model_len(self) -> int:
+        return self.config.scheduler.max_model_len
+
+    @property
+    def kv_capacity_tokens(self) -> int:
+        return self.kv_manager.num_total_blocks * self.block_size
+
+    # ---- requests ----------------------------------------------------------------------
+    def tokenize_prompt(self, prompt) -> tuple[str | None, list[int]]:
+        """A string, a list of token ids, or {"prompt_token_ids": [...]} / {"prompt": str}."""
+        if isinstance(prompt, dict):
+            if "prompt_token_ids" in prompt:
+                prompt = list(prompt["prompt_token_ids"])
+            elif "prompt" in prompt:
+                prompt = prompt["prompt"]
+            else:
+                raise ValueError("prompt dict needs 'prompt_token_ids' or 'prompt'")
+        if isinstance(prompt, str):
+            if self.tokenizer is None:
+                raise ValueError(f"model {self.model_path} has no tokenizer files: pass "
+                                 "{'prompt_token_ids': [...]} instead of text")
+            return prompt, self.tokenizer.encode(prompt)
+        ids = list(prompt)
+        vocab = self.model_config.vocab_size
+        for i, t in enumerate(ids):
+            if not isinstance(t, (int, np.integer)) or isinstance(t, bool) or not 0 <= t < vocab:
+                raise ValueError(f"prompt_token_ids[{i}] = {t!r} is not a token id in "
+                                 f"[0, vocab_size={vocab})")
+        return None, [int(t) for t in ids]
+
+    def add_request(self, request_id: str, prompt, sampling_params: SamplingParams | None = None,
+                    *, priority: int = 0, arrival_time: float | None = None) -> None:
+        params = sampling_params or SamplingParams()
+        if request_id in self._parents:
+            raise ValueError(f"request_id {request_id!r} is already in use")
+        text, ids = self.tokenize_prompt(prompt)
+        if not ids:
+            raise ValueError("prompt must contain at least one token, got an empty prompt")
+        blocked = self._blocked_ids(params)
+        children = []
+        try:
+            for i in range(params.n):
+                child_id = request_id if params.n == 1 else f"{i}_{request_id}"
+                request = Request(request_id=child_id, prompt_token_ids=ids, sampling_params=params,
+                                  eos_token_id=None, priority=priority,
+                                  **({"arrival_time": arrival_time} if arrival_time else {}))
+                self.scheduler.add_request(request)
+                children.append(self._seq_state(request, request_id, i, params, ids, blocked))
+        except Exception:
+            for child in children:
+                self.scheduler.abort(child.request.request_id)
+            raise
+        for child in children:
+            self._seqs[child.request.request_id] = child
+        self._parents[request_id] = ParentState(request_id, text, ids, children)
+
+    def _blocked_ids(self, params: SamplingParams) -> tuple[int, ...]:
+        if params.min_tokens == 0:
+            return ()
+        eos = () if params.ignore_eos else tuple(self.output_processor.eos_token_ids)
+        blocked = tuple(dict.fromkeys(eos + tuple(params.stop_token_ids)))
+        if len(blocked) > NUM_BLOCKED:
+            raise ValueError(f"stop_token_ids has {len(params.stop_token_ids)} ids; with "
+                             f"min_tokens > 0 at most {NUM_BLOCKED - len(eos)} are supported")
+        return blocked
+
+    def _seq_state(self, request, parent_id, index, params, prompt_ids, blocked) -> SeqState:
+        # Children of one request get distinct streams; an explicit seed stays reproducible.
+        base = int(self._rng.integers(0, 2**32)) if params.seed is None else params.seed
+        seed = (base + index * 0x9E3779B9) % 2**32
+        detok = None
+        if self.tokenizer is not None:
+            from qwen_jax.tokenizer import IncrementalDetokenizer
+            detok = IncrementalDetokenizer(
+                self.tokenizer, prompt_ids, skip_special_tokens=params.skip_special_tokens,
+                stop=list(params.stop), include_stop_str_in_output=params.include_stop_str_in_output)
+        return SeqState(request=request, parent_id=parent_id, index=index, seed=seed,
+                        blocked_ids=blocked, detokenizer=detok,
+                        logprobs=[] if params.logprobs is not None else None)
+
+    def abort(self, request_id: str) -> RequestOutput | None:
+        """Abort a request (all its samples); its pages are free on return."""
+        parent = self._parents.pop(request_id, None)
+        if parent is None:
+            return None
+        for child in parent.children:
+            self.scheduler.abort(child.request.request_id)
+            self._seqs.pop(child.request.request_id, None)
+        return self.output_processor.request_output(parent)
+
+    def has_unfinished_requests(self) -> bool:
+        return bool(self._parents)
+
+    # ---- the step ----------------------------------------------------------------------
+    def step(self) -> list[RequestOutput]:
+        """One engine iteration; returns an output for every request that produced a token."""
+        out = self.scheduler.schedule()
+        if out.is_empty:
+            return []
+        inputs = build_model_inputs(out, self.config.scheduler.token_bucket_sizes,
+                                    self.config.scheduler.seq_bucket_sizes, self.block_size,
+                                    self.pages_per_seq)
+        sampling = build_sampling_arrays(
+            [self._sampling_entry(s.request) for s in out.scheduled], inputs.padded_num_seqs,
+            self.max_model_len)
+        result = self.runner.execute(inputs, sampling)
+        self.scheduler.update_after_step(out)
+        touched: dict[str, ParentState] = {}
+        for row, scheduled in enumerate(out.scheduled):
+            request = scheduled.request
+            seq = self._seqs.get(request.request_id)
+            if not scheduled.samples or seq is None or request.is_finished:
+                continue
+            status = self.output_processor.append(seq, int(result["token"][row]), result, row,
+                                                  self.scheduler.is_length_capped)
+            if status is not None:
+                self.scheduler.finish(request.request_id, status)
+            touched[seq.parent_id] = self._parents[seq.parent_id]
+        return [self._emit(parent) for parent in touched.values()]
+
+    def _sampling_entry(self, request: Request):
+        seq = self._seqs[request.request_id]
+        params = request.sampling_params
+        blocked = seq.blocked_ids if request.num_output_tokens < params.min_tokens else ()
+        tokens = request.all_token_ids if uses_penalties(params) else None
+        return (params, seq.seed, request.num_output_tokens, blocked, tokens,
+                request.num_prompt_tokens)
+
+    def _emit(self, parent: ParentState) -> RequestOutput:
+        output = self.output_processor.request_output(parent)
+        if output.finished:
+            self._parents.pop(parent.request_id, None)
+            for child in parent.children:
+                self._seqs.pop(child.request.request_id, None)
+        return output
+
+    # ---- introspection -----------------------------------------------------------------
+    def stats(self) -> dict:
+        kv = self.kv_manager
+        return {
+            "num_running": self.scheduler.num_running,
+            "num_waiting": self.scheduler.num_waiting,
+            "num_free_pages": kv.num_free_blocks,
+            "num_total_pages": kv.num_total_blocks,
+            "num_used_pages": kv.num_total_blocks - kv.num_free_blocks,
+            "kv_cache_usage": kv.usage,
+            "num_preemptions": self.scheduler.num_preemptions,
+            "prefix_cache_hit_rate": kv.prefix_cache_hit_rate,
+            "prefix_cache_queries": kv.pool.num_queried_tokens,
+            "prefix_cache_hits": kv.pool.num_hit_tokens,
+            "num_compiles": self.runner.num_compiles,
+            "bytes_per_page": self.bytes_per_page,
+            "kv_capacity_tokens": self.kv_capacity_tokens,
+        }
+
+    def max_pages_for(self, num_tokens: int) -> int:
+        return cdiv(num_tokens, self.block_size)

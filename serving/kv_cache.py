@@ -1,0 +1,66 @@
+"""Device KV cache: sizing from free device memory (or an explicit page count) and allocation."""
+
+from __future__ import annotations
+
+import logging
+
+import jax
+import jax.numpy as jnp
+
+logger = logging.getLogger(__name__)
+
+# CPU backends report no memory limit; like vLLM's CPU KV space, use a fixed budget.
+CPU_KV_CACHE_BYTES = 1 << 30
+
+_KV_DTYPES = {"auto": None, "bfloat16": jnp.bfloat16, "float32": jnp.float32,
+              "float16": jnp.float16}
+
+
+def kv_cache_dtype(name: str, model_dtype):
+    if name not in _KV_DTYPES:
+        raise ValueError(f"kv_cache_dtype must be one of {', '.join(_KV_DTYPES)}, got {name!r}")
+    return _KV_DTYPES[name] or model_dtype
+
+
+def bytes_per_page(model_config, block_size: int, dtype) -> int:
+    """K and V of every layer for one page of `block_size` tokens."""
+    return (2 * model_config.num_hidden_layers * block_size * model_config.num_key_value_heads
+            * model_config.head_dim * jnp.dtype(dtype).itemsize)
+
+
+def free_device_bytes(device=None) -> int | None:
+    device = device or jax.local_devices()[0]
+    stats = device.memory_stats() if hasattr(device, "memory_stats") else None
+    if not stats or "bytes_limit" not in stats:
+        return None
+    return int(stats["bytes_limit"]) - int(stats.get("bytes_in_use", 0))
+
+
+def num_pages_to_allocate(model_config, cache_config, max_pages_needed: int, dtype) -> int:
+    """Pages (page 0, the scratch page, included) the cache gets.
+
+    `num_gpu_blocks_override` wins; otherwise `gpu_memory_utilization` of the device memory
+    the weights leave free, or a fixed budget on CPU, never more than `max_pages_needed`.
+    """
+    per_page = bytes_per_page(model_config, cache_config.block_size, dtype)
+    if cache_config.num_gpu_blocks_override is not None:
+        return int(cache_config.num_gpu_blocks_override)
+    free = free_device_bytes()
+    if free is None:
+        budget = CPU_KV_CACHE_BYTES
+        pages = min(budget // per_page, max_pages_needed)
+    else:
+        pages = int(free * cache_config.gpu_memory_utilization) // per_page
+    if pages < 2:
+        raise ValueError(
+            f"no room for the KV cache: {free} free bytes at gpu_memory_utilization="
+            f"{cache_config.gpu_memory_utilization} fit {pages} pages of {per_page} bytes; "
+            f"at least 2 are needed")
+    return int(pages)
+
+
+def allocate(model, num_pages: int, block_size: int, dtype):
+    caches = model.init_kv_caches(num_pages, block_size, dtype)
+    logger.info("KV cache: %d pages x %d tokens, %.1f MiB", num_pages, block_size,
+                sum(k.nbytes + v.nbytes for k, v in caches) / 2**20)
+    return caches

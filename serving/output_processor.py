@@ -1,0 +1,110 @@
+"""Per-sequence post-processing of sampled tokens: detokenization, stop conditions,
+logprobs, and gathering the n samples of a request into one RequestOutput."""
+
+from __future__ import annotations
+
+import dataclasses
+
+from serving.request import (CompletionOutput, Request, RequestOutput, RequestStatus)
+
+
+@dataclasses.dataclass
+class Logprob:
+    """vLLM's Logprob: one candidate token of one position."""
+
+    logprob: float
+    rank: int | None = None
+    decoded_token: str | None = None
+
+
+@dataclasses.dataclass
+class SeqState:
+    """Host-side state of one sampled sequence (one of a request's n)."""
+
+    request: Request
+    parent_id: str
+    index: int
+    seed: int
+    blocked_ids: tuple[int, ...]  # eos/stop ids suppressed until min_tokens
+    detokenizer: object | None
+    logprobs: list | None = None
+    cumulative_logprob: float = 0.0
+    text: str = ""
+
+    @property
+    def params(self):
+        return self.request.sampling_params
+
+
+@dataclasses.dataclass
+class ParentState:
+    request_id: str
+    prompt: str | None
+    prompt_token_ids: list[int]
+    children: list[SeqState]
+
+    @property
+    def finished(self) -> bool:
+        return all(c.request.is_finished for c in self.children)
+
+
+class OutputProcessor:
+    def __init__(self, tokenizer, eos_token_ids: tuple[int, ...]):
+        self.tokenizer = tokenizer
+        self.eos_token_ids = frozenset(eos_token_ids)
+
+    def append(self, seq: SeqState, token: int, result: dict, row: int,
+               max_len_reached) -> RequestStatus | None:
+        """Record the sampled token; return a finished status if the sequence stops."""
+        request, params = seq.request, seq.params
+        request.append_output_token(token)
+        self._record_logprobs(seq, token, result, row)
+        if seq.detokenizer is not None:
+            seq.detokenizer.add([token])
+            seq.text = seq.detokenizer.text
+            if seq.detokenizer.finished_by_stop:
+                request.stop_reason = seq.detokenizer.stop_reason
+                return RequestStatus.FINISHED_STOPPED
+        if request.num_output_tokens >= params.min_tokens:
+            if not params.ignore_eos and token in self.eos_token_ids:
+                return RequestStatus.FINISHED_STOPPED
+            if token in params.stop_token_ids:
+                request.stop_reason = token
+                return RequestStatus.FINISHED_STOPPED
+        if max_len_reached(request):
+            return RequestStatus.FINISHED_LENGTH_CAPPED
+        return None
+
+    def _record_logprobs(self, seq: SeqState, token: int, result: dict, row: int) -> None:
+        logprob = float(result["logprob"][row])
+        seq.cumulative_logprob += logprob
+        num = seq.params.logprobs
+        if num is None:
+            return
+        entry = {token: Logprob(logprob, int(result["rank"][row]), self._decode_one(token))}
+        top = zip(result["top_ids"][row][:num], result["top_logprobs"][row][:num])
+        for rank, (tid, lp) in enumerate(top, start=1):
+            entry.setdefault(int(tid), Logprob(float(lp), rank, self._decode_one(int(tid))))
+        seq.logprobs.append(entry)
+
+    def _decode_one(self, token: int) -> str | None:
+        if self.tokenizer is None:
+            return None
+        return self.tokenizer.decode([token], skip_special_tokens=False)
+
+    @staticmethod
+    def completion(seq: SeqState) -> CompletionOutput:
+        request = seq.request
+        return CompletionOutput(
+            index=seq.index, text=seq.text, token_ids=list(request.output_token_ids),
+            cumulative_logprob=seq.cumulative_logprob if seq.params.logprobs is not None else None,
+            logprobs=seq.logprobs, finish_reason=request.finish_reason,
+            stop_reason=request.stop_reason)
+
+    def request_output(self, parent: ParentState) -> RequestOutput:
+        first = parent.children[0].request
+        return RequestOutput(
+            request_id=parent.request_id, prompt=parent.prompt,
+            prompt_token_ids=parent.prompt_token_ids, prompt_logprobs=None,
+            outputs=[self.completion(c) for c in parent.children], finished=parent.finished,
+            metrics=first.metrics)

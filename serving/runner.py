@@ -1,0 +1,85 @@
+"""The jitted step: forward over the padded ragged batch, lm head on the sampled rows,
+sampling. One executable per (token bucket, sequence bucket); the KV cache is donated."""
+
+from __future__ import annotations
+
+import logging
+import os
+import time
+from pathlib import Path
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+from flax import nnx
+
+from qwen_jax.attention import AttentionMetadata
+from serving.batch import ModelInputs
+from serving.sampler import SamplingArrays, build_sampling_arrays, sample
+
+logger = logging.getLogger(__name__)
+
+
+def default_compilation_cache_dir() -> str:
+    base = os.environ.get("XDG_CACHE_HOME") or os.path.join(os.path.expanduser("~"), ".cache")
+    return os.path.join(base, "qwen-jax", "jax-compilation-cache")
+
+
+def enable_compilation_cache(directory: str | None) -> None:
+    """Persistent XLA cache: a restart reuses compiled buckets (0.55 s -> 0.03 s each)."""
+    if not directory:
+        return
+    Path(directory).mkdir(parents=True, exist_ok=True)
+    jax.config.update("jax_compilation_cache_dir", directory)
+    jax.config.update("jax_persistent_cache_min_compile_time_secs", 0)
+    jax.config.update("jax_persistent_cache_min_entry_size_bytes", 0)
+
+
+class ModelRunner:
+    """Owns the params, the KV cache and the compiled steps."""
+
+    def __init__(self, model, kv_caches, *, max_model_len: int):
+        self.graphdef, self.state = nnx.split(model)
+        self.kv_caches = kv_caches
+        self.max_model_len = max_model_len
+        self.num_compiles = 0  # traces of the step == executables built
+        self._step = jax.jit(self._step_impl, donate_argnums=(1,))
+
+    def _step_impl(self, state, kv_caches, inputs: dict, sampling: SamplingArrays):
+        self.num_compiles += 1  # runs only while tracing: once per new bucket shape
+        model = nnx.merge(self.graphdef, state)
+        meta = AttentionMetadata(
+            slot_mapping=inputs["slot_mapping"], query_start=inputs["query_start"],
+            kv_lens=inputs["kv_lens"], page_table=inputs["page_table"],
+            num_seqs=inputs["num_seqs"])
+        hidden, kv_caches = model.forward(inputs["token_ids"], inputs["positions"], kv_caches, meta)
+        logits = model.compute_logits(hidden[inputs["logits_index"]])  # [S, V] f32
+        return kv_caches, sample(logits, sampling)
+
+    def execute(self, inputs: ModelInputs, sampling: SamplingArrays) -> dict[str, np.ndarray]:
+        """Run one step; returns host arrays (token, logprob, rank, top_ids, top_logprobs)."""
+        self.kv_caches, out = self._step(self.state, self.kv_caches, inputs.arrays(), sampling)
+        return jax.device_get(out)
+
+    def precompile(self, pairs, pages_per_seq: int, progress: bool = True) -> float:
+        """Compile every (T, S) bucket up front by running it on an all-padding batch."""
+        from tqdm import tqdm
+        start = time.perf_counter()
+        for t, s in tqdm(pairs, desc="compiling buckets", disable=not progress, unit="bucket"):
+            self.execute(padding_inputs(t, s, pages_per_seq),
+                         padding_sampling(s, self.max_model_len))
+        return time.perf_counter() - start
+
+
+def padding_inputs(num_tokens: int, num_seqs: int, pages_per_seq: int) -> ModelInputs:
+    """A batch with no real token: everything writes to the scratch page."""
+    zeros = lambda *shape: np.zeros(shape, np.int32)
+    return ModelInputs(token_ids=zeros(num_tokens), positions=zeros(num_tokens),
+                       slot_mapping=zeros(num_tokens), query_start=zeros(num_seqs + 1),
+                       kv_lens=zeros(num_seqs), page_table=zeros(num_seqs, pages_per_seq),
+                       logits_index=zeros(num_seqs), num_seqs=np.array(0, np.int32),
+                       num_tokens=0)
+
+
+def padding_sampling(num_seqs: int, max_model_len: int) -> SamplingArrays:
+    return build_sampling_arrays([], num_seqs, max_model_len)

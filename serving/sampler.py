@@ -1,0 +1,128 @@
+"""Sampling on device: penalties, greedy, temperature, top-k, top-p, min-p, seeds, logprobs.
+
+Every sequence draws from its own key, fold_in(key(seed), output index), so a seeded
+request samples the same tokens whatever else shares its batch, and again after a
+preemption recomputes it. Logprobs are of the raw model distribution (vLLM's default).
+"""
+
+from __future__ import annotations
+
+import dataclasses
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+
+from serving.request import SAMPLING_EPS, SamplingParams
+
+NUM_TOP_LOGPROBS = 20  # vLLM's maximum; always computed, sliced on the host
+NUM_BLOCKED = 32  # stop/eos ids suppressed until min_tokens; padded with -1
+
+
+@jax.tree_util.register_dataclass
+@dataclasses.dataclass
+class SamplingArrays:
+    """Per-sequence sampling parameters for one padded step (numpy on host)."""
+
+    temperature: np.ndarray  # f32[S]; < SAMPLING_EPS means greedy
+    top_p: np.ndarray  # f32[S]
+    top_k: np.ndarray  # i32[S]; 0 = disabled
+    min_p: np.ndarray  # f32[S]
+    presence_penalty: np.ndarray  # f32[S]
+    frequency_penalty: np.ndarray  # f32[S]
+    repetition_penalty: np.ndarray  # f32[S]
+    seed: np.ndarray  # u32[S]
+    output_index: np.ndarray  # i32[S]: which output token this draw is
+    blocked_ids: np.ndarray  # i32[S, NUM_BLOCKED]: ids masked this step (min_tokens)
+    penalty_tokens: np.ndarray  # i32[S, W]: prompt + output ids, -1 padded (W = max_model_len)
+    num_prompt_tokens: np.ndarray  # i32[S]: how many of penalty_tokens are prompt
+
+
+def build_sampling_arrays(entries, num_padded_seqs: int, max_model_len: int) -> SamplingArrays:
+    """entries: per real sequence (params, seed, output_index, blocked ids, token ids or None,
+    num prompt tokens). Rows past the real sequences are greedy padding."""
+    s = num_padded_seqs
+    arrays = SamplingArrays(
+        temperature=np.zeros(s, np.float32), top_p=np.ones(s, np.float32),
+        top_k=np.zeros(s, np.int32), min_p=np.zeros(s, np.float32),
+        presence_penalty=np.zeros(s, np.float32), frequency_penalty=np.zeros(s, np.float32),
+        repetition_penalty=np.ones(s, np.float32), seed=np.zeros(s, np.uint32),
+        output_index=np.zeros(s, np.int32), blocked_ids=np.full((s, NUM_BLOCKED), -1, np.int32),
+        penalty_tokens=np.full((s, max_model_len), -1, np.int32),
+        num_prompt_tokens=np.zeros(s, np.int32))
+    for i, (p, seed, out_idx, blocked, tokens, num_prompt) in enumerate(entries):
+        arrays.temperature[i] = p.temperature
+        arrays.top_p[i], arrays.top_k[i], arrays.min_p[i] = p.top_p, max(p.top_k, 0), p.min_p
+        arrays.presence_penalty[i] = p.presence_penalty
+        arrays.frequency_penalty[i] = p.frequency_penalty
+        arrays.repetition_penalty[i] = p.repetition_penalty
+        arrays.seed[i], arrays.output_index[i] = seed, out_idx
+        if blocked:
+            arrays.blocked_ids[i, :len(blocked)] = blocked
+        if tokens is not None:  # only requests that use penalties pay for this copy
+            arrays.penalty_tokens[i, :len(tokens)] = tokens
+            arrays.num_prompt_tokens[i] = num_prompt
+    return arrays
+
+
+def uses_penalties(p: SamplingParams) -> bool:
+    return p.presence_penalty != 0 or p.frequency_penalty != 0 or p.repetition_penalty != 1
+
+
+def _apply_penalties(logits, sa: SamplingArrays):
+    """vLLM semantics: repetition over prompt+output, presence/frequency over output."""
+    num_seqs, vocab = logits.shape
+    tokens = sa.penalty_tokens  # [S, W]
+    is_output = jnp.arange(tokens.shape[1])[None, :] >= sa.num_prompt_tokens[:, None]
+    rows = jnp.broadcast_to(jnp.arange(num_seqs)[:, None], tokens.shape)
+    safe = jnp.where(tokens >= 0, tokens, vocab)  # -1 padding -> dropped index
+    seen = jnp.zeros((num_seqs, vocab), jnp.bool_).at[rows, safe].set(True, mode="drop")
+    counts = jnp.zeros((num_seqs, vocab), jnp.float32).at[rows, safe].add(
+        is_output.astype(jnp.float32), mode="drop")  # [S, V] output counts
+    rep = sa.repetition_penalty[:, None]
+    logits = jnp.where(seen, jnp.where(logits > 0, logits / rep, logits * rep), logits)
+    logits = logits - sa.frequency_penalty[:, None] * counts
+    return logits - sa.presence_penalty[:, None] * (counts > 0)
+
+
+def _filtered_sample(logits, sa: SamplingArrays):
+    """Temperature, then top-k, top-p and min-p on the sorted distribution; Gumbel-max."""
+    num_seqs, vocab = logits.shape
+    temp = jnp.maximum(sa.temperature, SAMPLING_EPS)[:, None]
+    sorted_logits, sorted_ids = jax.lax.top_k(logits / temp, vocab)  # [S, V] descending
+    rank = jnp.arange(vocab)[None, :]
+    k = jnp.where(sa.top_k > 0, sa.top_k, vocab)[:, None]
+    masked = jnp.where(rank < k, sorted_logits, -jnp.inf)
+    probs = jax.nn.softmax(masked, axis=-1)
+    before = jnp.cumsum(probs, axis=-1) - probs  # mass strictly above each token
+    keep = (before < sa.top_p[:, None]) & (probs >= sa.min_p[:, None] * probs[:, :1])
+    masked = jnp.where(keep | (rank == 0), masked, -jnp.inf)
+    keys = jax.vmap(lambda s, i: jax.random.fold_in(jax.random.key(s), i))(
+        sa.seed, sa.output_index)
+    gumbel = jax.vmap(lambda key: jax.random.gumbel(key, (vocab,), jnp.float32))(keys)
+    choice = jnp.argmax(masked + gumbel, axis=-1)  # [S]
+    return jnp.take_along_axis(sorted_ids, choice[:, None], axis=-1)[:, 0]
+
+
+def sample(logits: jax.Array, sa: SamplingArrays) -> dict:
+    """logits: f32[S, V] -> sampled ids and logprobs of the raw distribution."""
+    num_seqs, vocab = logits.shape
+    logprobs = jax.nn.log_softmax(logits, axis=-1)  # raw, before any processing
+    rows = jnp.broadcast_to(jnp.arange(num_seqs)[:, None], sa.blocked_ids.shape)
+    blocked = jnp.where(sa.blocked_ids >= 0, sa.blocked_ids, vocab)
+    logits = logits.at[rows, blocked].set(-jnp.inf, mode="drop")
+    # Branches at run time: batches without penalties or without random sampling skip
+    # the [S, V] scatter and the full-vocabulary sort.
+    any_penalty = jnp.any((sa.presence_penalty != 0) | (sa.frequency_penalty != 0)
+                          | (sa.repetition_penalty != 1))
+    logits = jax.lax.cond(any_penalty, lambda: _apply_penalties(logits, sa), lambda: logits)
+    greedy = jnp.argmax(logits, axis=-1)
+    all_greedy = jnp.all(sa.temperature < SAMPLING_EPS)
+    token = jax.lax.cond(
+        all_greedy, lambda: greedy,
+        lambda: jnp.where(sa.temperature < SAMPLING_EPS, greedy, _filtered_sample(logits, sa)))
+    token_logprob = jnp.take_along_axis(logprobs, token[:, None], axis=-1)[:, 0]
+    top_logprobs, top_ids = jax.lax.top_k(logprobs, min(NUM_TOP_LOGPROBS, vocab))
+    rank = 1 + jnp.sum(logprobs > token_logprob[:, None], axis=-1)
+    return dict(token=token.astype(jnp.int32), logprob=token_logprob, rank=rank.astype(jnp.int32),
+                top_ids=top_ids.astype(jnp.int32), top_logprobs=top_logprobs)
