@@ -61,10 +61,14 @@ def _attention_kernel(items_ref, page_table_ref, k_scale_ref, v_scale_ref, q_ref
         # Every index is an array (no slices): a gather both Triton and the CPU
         # interpreter accept, with each key's head_dim row contiguous in memory.
         at = (pages[:, None], (key_pos % page_size)[:, None], kv_head, dims[None, :])
-        k = pltriton.load(k_pages_ref.at[at], mask=key_mask[:, None], other=0)  # [bk, H]
-        v = pltriton.load(v_pages_ref.at[at], mask=key_mask[:, None], other=0)  # [bk, H]
+        # Zero the masked keys after the cast: Triton cannot build an fp8 `other`, and
+        # masked lanes must not carry NaN garbage into P @ V.
+        k = jnp.where(key_mask[:, None], pltriton.load(
+            k_pages_ref.at[at], mask=key_mask[:, None]).astype(compute_dtype), 0)  # [bk, H]
+        v = jnp.where(key_mask[:, None], pltriton.load(
+            v_pages_ref.at[at], mask=key_mask[:, None]).astype(compute_dtype), 0)  # [bk, H]
         scores = jax.lax.dot_general(
-            q, k.astype(compute_dtype), (((1,), (1,)), ((), ())), precision=precision,
+            q, k, (((1,), (1,)), ((), ())), precision=precision,
             preferred_element_type=jnp.float32) * score_scale              # [R, bk]
         visible = (key_pos[None, :] <= row_pos[:, None]) & key_mask[None, :]
         scores = jnp.where(visible, scores, _MASK_VALUE)
@@ -73,7 +77,7 @@ def _attention_kernel(items_ref, page_table_ref, k_scale_ref, v_scale_ref, q_ref
         probs = jnp.exp(scores - new_max[:, None])                         # [R, bk]
         row_sum = row_sum * correction + jnp.sum(probs, axis=1)
         acc = acc * correction[:, None] + jax.lax.dot_general(
-            probs.astype(compute_dtype), v.astype(compute_dtype),
+            probs.astype(compute_dtype), v,
             (((1,), (0,)), ((), ())), precision=precision,
             preferred_element_type=jnp.float32)                            # [R, H]
         return acc, new_max, row_sum

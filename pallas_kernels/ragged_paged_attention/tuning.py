@@ -18,7 +18,8 @@ class AttentionBlocks:
 
 
 # Decode is bandwidth bound: the smallest legal q tile and long key blocks.
-# Prefill is compute bound: 64-128 row tiles amortise each key block load.
+# Prefill is compute bound: 64-128 row tiles amortise each key block load (128 rows and
+# 8 warps at head dim 128, as in Triton's flash-attention tutorial configs for sm90).
 _TABLE = {
     ("decode", 1, 64): AttentionBlocks(block_q=16, block_k=64, num_warps=4, num_stages=3),
     ("decode", 1, 128): AttentionBlocks(block_q=16, block_k=64, num_warps=4, num_stages=3),
@@ -26,12 +27,12 @@ _TABLE = {
     ("decode", 4, 128): AttentionBlocks(block_q=4, block_k=64, num_warps=4, num_stages=3),
     ("decode", 8, 64): AttentionBlocks(block_q=2, block_k=64, num_warps=4, num_stages=3),
     ("decode", 8, 128): AttentionBlocks(block_q=2, block_k=64, num_warps=4, num_stages=3),
-    ("prefill", 1, 64): AttentionBlocks(block_q=64, block_k=64, num_warps=4, num_stages=2),
-    ("prefill", 1, 128): AttentionBlocks(block_q=64, block_k=64, num_warps=4, num_stages=2),
-    ("prefill", 4, 64): AttentionBlocks(block_q=16, block_k=64, num_warps=4, num_stages=2),
-    ("prefill", 4, 128): AttentionBlocks(block_q=16, block_k=64, num_warps=4, num_stages=2),
-    ("prefill", 8, 64): AttentionBlocks(block_q=8, block_k=64, num_warps=4, num_stages=2),
-    ("prefill", 8, 128): AttentionBlocks(block_q=8, block_k=64, num_warps=4, num_stages=2),
+    ("prefill", 1, 64): AttentionBlocks(block_q=64, block_k=64, num_warps=4, num_stages=3),
+    ("prefill", 1, 128): AttentionBlocks(block_q=128, block_k=64, num_warps=8, num_stages=3),
+    ("prefill", 4, 64): AttentionBlocks(block_q=16, block_k=64, num_warps=4, num_stages=3),
+    ("prefill", 4, 128): AttentionBlocks(block_q=32, block_k=64, num_warps=8, num_stages=3),
+    ("prefill", 8, 64): AttentionBlocks(block_q=8, block_k=64, num_warps=4, num_stages=3),
+    ("prefill", 8, 128): AttentionBlocks(block_q=16, block_k=64, num_warps=8, num_stages=3),
 }
 
 
