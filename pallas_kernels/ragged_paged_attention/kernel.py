@@ -141,7 +141,7 @@ def ragged_paged_attention(q, k_pages, v_pages, kv_lens, page_table, query_start
     num_kv_heads = k_pages.shape[2]
     group = num_q_heads // num_kv_heads
     # Triton tiles are powers of two: pad the group with zero heads when needed.
-    padded_group = pl.next_power_of_2(group)
+    padded_group = 1 << (group - 1).bit_length()
     blocks = tuning.attention_blocks(num_tokens=num_tokens, num_seqs_max=kv_lens.shape[0],
                                      group=padded_group, head_dim=head_dim)
     block_q = block_q or blocks.block_q

@@ -30,11 +30,14 @@ def _attend_block(q, seq, pos, valid, k_pages, v_pages, page_table, k_scale, v_s
     ctx = num_pages_per_seq * page_size
     k = k.reshape(k.shape[0], ctx, num_kv_heads, -1)                      # [B, C, K, H]
     v = v.reshape(v.shape[0], ctx, num_kv_heads, -1)                      # [B, C, K, H]
+    key_pos = jnp.arange(ctx, dtype=jnp.int32)                            # [C]
+    mask = key_pos[None, :] <= pos[:, None]                               # [B, C]
+    # Slots past a row's position may hold anything (stale, NaN): zero them so that
+    # 0 * NaN never reaches the output.
+    v = jnp.where(mask[:, :, None, None], v, 0.0)
     qg = q.astype(jnp.float32).reshape(q.shape[0], num_kv_heads, group, -1)  # [B, K, G, H]
     scores = jnp.einsum("bkgh,bckh->bkgc", qg, k,
                         precision=jax.lax.Precision.HIGHEST) * sm_scale   # [B, K, G, C]
-    key_pos = jnp.arange(ctx, dtype=jnp.int32)                            # [C]
-    mask = key_pos[None, :] <= pos[:, None]                               # [B, C]
     scores = jnp.where(mask[:, None, None, :], scores, -jnp.inf)
     # Padding rows have an all-masked row; give them a finite max so no NaN appears.
     row_max = jnp.max(scores, axis=-1, keepdims=True)

@@ -123,3 +123,18 @@ def test_quantized_pages_without_scales_raise():
         ragged_paged_attention(np.zeros((4, 8, 64), np.float32), pages, pages,
                                np.zeros((2,), np.int32), np.zeros((2, 4), np.int32),
                                np.zeros((3,), np.int32), np.int32(2), sm_scale=0.1)
+
+
+def test_slots_outside_every_context_are_never_read():
+    # NaN everywhere a sequence may not look (unused pages, slots past kv_len): one read
+    # of them would turn the output NaN.
+    case = make_case(MIXED[:4], num_q_heads=8, num_kv_heads=2, head_dim=64,
+                     page_size=PAGE, pages_per_seq=3, num_pad_seqs=1, num_pad_tokens=2)
+    visible = np.zeros(case.k_pages.shape[:2], bool)                      # [P, L]
+    for s in range(int(case.num_seqs)):
+        for p in range(case.kv_lens[s]):
+            visible[case.page_table[s, p // PAGE], p % PAGE] = True
+    for pages in (case.k_pages, case.v_pages):
+        pages[~visible] = np.nan
+    out = _compare(case, sm_scale=0.125, tol=1e-4)
+    assert np.all(np.isfinite(out))
