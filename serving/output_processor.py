@@ -56,6 +56,19 @@ class OutputProcessor:
     def append(self, seq: SeqState, token: int, result: dict, row: int,
                max_len_reached) -> RequestStatus | None:
         """Record the sampled token; return a finished status if the sequence stops."""
+        status = self._append(seq, token, result, row, max_len_reached)
+        if status is not None:
+            self.flush(seq)
+        return status
+
+    @staticmethod
+    def flush(seq: SeqState) -> None:
+        """Release text held back for a possible stop string once the sequence ends."""
+        if seq.detokenizer is not None:
+            seq.detokenizer.flush()
+            seq.text = seq.detokenizer.text
+
+    def _append(self, seq, token, result, row, max_len_reached):
         request, params = seq.request, seq.params
         request.append_output_token(token)
         self._record_logprobs(seq, token, result, row)

@@ -85,6 +85,28 @@ def _apply_penalties(logits, sa: SamplingArrays):
     return logits - sa.presence_penalty[:, None] * (counts > 0)
 
 
+def _mix32(x):
+    """A 32-bit integer hash (lowbias32): cheap to compile, well mixed."""
+    x = x ^ (x >> 16)
+    x = x * jnp.uint32(0x7FEB352D)
+    x = x ^ (x >> 15)
+    x = x * jnp.uint32(0x846CA68B)
+    return x ^ (x >> 16)
+
+
+def gumbel_noise(seed, output_index, vocab: int):
+    """Gumbel(0, 1) noise f32[S, V], a pure function of (seed, output index, token id).
+
+    A counter-based hash rather than jax.random: threefry's unrolled rounds cost seconds
+    of compile per bucket on CPU, and the stream only has to be reproducible.
+    """
+    row = _mix32(seed.astype(jnp.uint32) ^ _mix32(output_index.astype(jnp.uint32)
+                                                  + jnp.uint32(0x9E3779B9)))  # [S]
+    bits = _mix32(row[:, None] ^ _mix32(jnp.arange(vocab, dtype=jnp.uint32)[None, :]))
+    uniform = ((bits >> 8).astype(jnp.float32) + 0.5) * (1.0 / (1 << 24))  # (0, 1)
+    return -jnp.log(-jnp.log(uniform))
+
+
 def _filtered_sample(logits, sa: SamplingArrays):
     """Temperature, then top-k, top-p and min-p on the sorted distribution; Gumbel-max."""
     num_seqs, vocab = logits.shape
@@ -97,10 +119,9 @@ def _filtered_sample(logits, sa: SamplingArrays):
     before = jnp.cumsum(probs, axis=-1) - probs  # mass strictly above each token
     keep = (before < sa.top_p[:, None]) & (probs >= sa.min_p[:, None] * probs[:, :1])
     masked = jnp.where(keep | (rank == 0), masked, -jnp.inf)
-    keys = jax.vmap(lambda s, i: jax.random.fold_in(jax.random.key(s), i))(
-        sa.seed, sa.output_index)
-    gumbel = jax.vmap(lambda key: jax.random.gumbel(key, (vocab,), jnp.float32))(keys)
-    choice = jnp.argmax(masked + gumbel, axis=-1)  # [S]
+    # Noise is attached to the token id (not the sorted rank) so ties cannot reorder it.
+    noise = jnp.take_along_axis(gumbel_noise(sa.seed, sa.output_index, vocab), sorted_ids, axis=-1)
+    choice = jnp.argmax(masked + noise, axis=-1)  # [S]
     return jnp.take_along_axis(sorted_ids, choice[:, None], axis=-1)[:, 0]
 
 

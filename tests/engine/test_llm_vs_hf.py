@@ -60,8 +60,11 @@ def test_tiny_token_budget_chunks_prefill_and_matches_hf(tiny_ckpt, compile_cach
     assert_no_leak(llm)
 
 
-def test_tiny_kv_pool_preempts_and_matches_hf(tiny_ckpt, compile_cache, prompts, expected):
-    # 70 + 12 tokens need 6 pages; 8 usable pages cannot hold the batch at once.
+def test_tiny_kv_pool_preempts_and_matches_hf(tiny_ckpt, compile_cache):
+    # All five prompts are admitted (7 pages) but each crosses a page boundary while
+    # decoding (12 pages in all): 8 usable pages force preemption by recompute.
+    prompts = make_prompts([15, 14, 31, 30, 13], seed=3)
+    expected = [hf_greedy(tiny_ckpt[1], p, MAX_TOKENS) for p in prompts]
     llm = make_llm(tiny_ckpt, compile_cache, num_gpu_blocks_override=9)
     assert generate_ids(llm, prompts) == expected
     assert llm.stats()["num_preemptions"] > 0
