@@ -23,6 +23,24 @@ _MASK_VALUE = -1e30
 _ROW_START, _ROW_END, _POS_OFFSET, _SEQ = range(4)
 
 
+def _gather_keys(page_table_ref, k_pages_ref, v_pages_ref, *, seq, kv_head, key_pos,
+                 key_mask, dtype):
+    """Keys and values at positions key_pos of sequence seq: ([bk, H], [bk, H]) in dtype."""
+    page_size, head_dim = k_pages_ref.shape[1], k_pages_ref.shape[3]
+    pages = pltriton.load(page_table_ref.at[seq, key_pos // page_size],
+                          mask=key_mask, other=0)                          # [bk]
+    dims = jnp.arange(head_dim, dtype=jnp.int32)                           # [H]
+    # Every index is an array (no slices): a gather both Triton and the CPU
+    # interpreter accept, with each key's head_dim row contiguous in memory.
+    at = (pages[:, None], (key_pos % page_size)[:, None], kv_head, dims[None, :])
+    mask = key_mask[:, None]
+    # Zero the masked keys after the cast: Triton cannot build an fp8 `other`, and
+    # masked lanes must not carry NaN garbage into P @ V.
+    k = jnp.where(mask, pltriton.load(k_pages_ref.at[at], mask=mask).astype(dtype), 0)
+    v = jnp.where(mask, pltriton.load(v_pages_ref.at[at], mask=mask).astype(dtype), 0)
+    return k, v
+
+
 def _attention_kernel(items_ref, page_table_ref, k_scale_ref, v_scale_ref, q_ref,
                       k_pages_ref, v_pages_ref, o_ref, *, sm_scale, block_q, block_k,
                       precision):
@@ -31,7 +49,6 @@ def _attention_kernel(items_ref, page_table_ref, k_scale_ref, v_scale_ref, q_ref
     # k_pages_ref, v_pages_ref: [P, L, K, H]
     item, kv_head = pl.program_id(0), pl.program_id(1)
     group, head_dim = q_ref.shape[2], q_ref.shape[3]
-    page_size = k_pages_ref.shape[1]
     row_start = items_ref[item, _ROW_START]
     row_end = items_ref[item, _ROW_END]
     pos_offset = items_ref[item, _POS_OFFSET]
@@ -49,24 +66,15 @@ def _attention_kernel(items_ref, page_table_ref, k_scale_ref, v_scale_ref, q_ref
     # The last row's position bounds the keys any row of this item can see.
     num_keys = jnp.maximum(row_end + pos_offset, 0)
     compute_dtype = q.dtype
-    dims = jnp.arange(head_dim, dtype=jnp.int32)                           # [H]
     score_scale = sm_scale * k_scale_ref[kv_head]
 
     def body(step, carry):
         acc, row_max, row_sum = carry         # [R, H], [R], [R] float32
         key_pos = step * block_k + jnp.arange(block_k, dtype=jnp.int32)    # [bk]
         key_mask = key_pos < num_keys
-        pages = pltriton.load(page_table_ref.at[seq, key_pos // page_size],
-                              mask=key_mask, other=0)                      # [bk]
-        # Every index is an array (no slices): a gather both Triton and the CPU
-        # interpreter accept, with each key's head_dim row contiguous in memory.
-        at = (pages[:, None], (key_pos % page_size)[:, None], kv_head, dims[None, :])
-        # Zero the masked keys after the cast: Triton cannot build an fp8 `other`, and
-        # masked lanes must not carry NaN garbage into P @ V.
-        k = jnp.where(key_mask[:, None], pltriton.load(
-            k_pages_ref.at[at], mask=key_mask[:, None]).astype(compute_dtype), 0)  # [bk, H]
-        v = jnp.where(key_mask[:, None], pltriton.load(
-            v_pages_ref.at[at], mask=key_mask[:, None]).astype(compute_dtype), 0)  # [bk, H]
+        k, v = _gather_keys(page_table_ref, k_pages_ref, v_pages_ref, seq=seq,
+                            kv_head=kv_head, key_pos=key_pos, key_mask=key_mask,
+                            dtype=compute_dtype)                           # [bk, H] each
         scores = jax.lax.dot_general(
             q, k, (((1,), (1,)), ((), ())), precision=precision,
             preferred_element_type=jnp.float32) * score_scale              # [R, bk]
