@@ -36,3 +36,21 @@ def hf_greedy(model, prompt, max_new_tokens):
 def make_prompts(lengths, seed=0):
     rng = np.random.default_rng(seed)
     return [rng.integers(2, VOCAB, size=n).tolist() for n in lengths]
+
+
+QWEN3_TOKENIZER = __import__("pathlib").Path(__file__).resolve().parents[3] / "shared" / \
+    "fixtures" / "qwen3-tokenizer"
+
+
+@pytest.fixture(scope="session")
+def tokenizer_ckpt(tmp_path_factory):
+    """A tiny random MoE with the real Qwen3 tokenizer files (vocab 151,936)."""
+    import shutil
+    if not (QWEN3_TOKENIZER / "tokenizer.json").exists():
+        pytest.skip(f"Qwen3 tokenizer fixture missing at {QWEN3_TOKENIZER}")
+    path = tmp_path_factory.mktemp("tiny-moe-tok")
+    model = save_hf_model(path, moe=True, vocab_size=151936, eos_token_id=151645,
+                          bos_token_id=151643, max_position_embeddings=256, seed=2)
+    for name in ("tokenizer.json", "tokenizer_config.json"):
+        shutil.copy(QWEN3_TOKENIZER / name, path / name)
+    return path, model

@@ -1,0 +1,156 @@
+"""Engine behaviour beyond parity: aborts, leaks, compiles, seeds, n, stops, logprobs."""
+
+import numpy as np
+import pytest
+
+from qwen_jax import LLM, SamplingParams
+from serving.engine import LLMEngine
+from serving.llm import engine_config_from_kwargs
+from tests.engine.conftest import make_prompts
+from tests.helpers.hf import hf_logits
+
+ENGINE_ARGS = dict(max_num_seqs=8, max_num_batched_tokens=64, max_model_len=128,
+                   token_buckets=[8, 64], seq_buckets=[4, 8], show_progress=False)
+
+
+@pytest.fixture(scope="module")
+def llm(tiny_ckpt, compile_cache):
+    return LLM(str(tiny_ckpt[0]), compilation_cache_dir=compile_cache, **ENGINE_ARGS)
+
+
+@pytest.fixture(scope="module")
+def tok_llm(tokenizer_ckpt, compile_cache):
+    return LLM(str(tokenizer_ckpt[0]), compilation_cache_dir=compile_cache, **ENGINE_ARGS)
+
+
+def ids_prompt(p):
+    return {"prompt_token_ids": p}
+
+
+def test_text_prompt_without_tokenizer_is_a_clear_error(llm):
+    with pytest.raises(ValueError, match="prompt_token_ids"):
+        llm.generate("hello")
+    out = llm.generate(ids_prompt([3, 4, 5]), SamplingParams(max_tokens=3, temperature=0))
+    assert out[0].outputs[0].text == "" and len(out[0].outputs[0].token_ids) == 3
+
+
+def test_out_of_vocab_token_is_rejected_with_field_and_limit(llm):
+    with pytest.raises(ValueError, match=r"prompt_token_ids\[1\].*vocab_size=96"):
+        llm.generate(ids_prompt([3, 500]))
+    assert llm.stats()["num_waiting"] == 0
+
+
+def test_abort_frees_pages_at_once(tiny_ckpt, compile_cache):
+    engine = LLMEngine(engine_config_from_kwargs(str(tiny_ckpt[0]), precompile=False,
+                                                 compilation_cache_dir=compile_cache,
+                                                 **ENGINE_ARGS))
+    for i, p in enumerate(make_prompts([20, 40, 7])):
+        engine.add_request(str(i), ids_prompt(p), SamplingParams(max_tokens=50, ignore_eos=True))
+    for _ in range(3):
+        engine.step()
+    total = engine.stats()["num_total_pages"]
+    used = total - engine.stats()["num_free_pages"]
+    assert used > 0
+    engine.abort("1")
+    assert total - engine.stats()["num_free_pages"] < used
+    engine.abort("0")
+    engine.abort("2")
+    stats = engine.stats()
+    assert stats["num_free_pages"] == total and stats["num_running"] == 0
+    assert not engine.has_unfinished_requests() and engine.step() == []
+
+
+def test_no_compilation_after_warmup(llm):
+    before = llm.stats()["num_compiles"]
+    assert before > 0  # precompile built every bucket
+    prompts = [ids_prompt(p) for p in make_prompts([1, 3, 60, 17, 33, 2, 9, 50, 11], seed=5)]
+    params = [SamplingParams(temperature=0.0, max_tokens=5),
+              SamplingParams(temperature=0.8, top_p=0.9, top_k=10, seed=1, max_tokens=9),
+              SamplingParams(n=2, temperature=1.0, max_tokens=4, logprobs=3),
+              SamplingParams(repetition_penalty=1.3, frequency_penalty=0.5, max_tokens=6)] * 3
+    llm.generate(prompts, params[:len(prompts)])
+    assert llm.stats()["num_compiles"] == before
+
+
+def test_seeded_sampling_is_reproducible_and_batch_independent(llm, tiny_ckpt, compile_cache):
+    target = ids_prompt(make_prompts([12], seed=9)[0])
+    params = SamplingParams(temperature=1.0, top_p=0.95, seed=1234, max_tokens=10,
+                            ignore_eos=True)
+    alone = llm.generate(target, params)[0].outputs[0].token_ids
+    others = [ids_prompt(p) for p in make_prompts([30, 5, 44], seed=10)]
+    mixed = llm.generate(others[:2] + [target] + others[2:],
+                         [SamplingParams(temperature=1.0, max_tokens=12)] * 2 + [params]
+                         + [SamplingParams(temperature=0.0, max_tokens=3)])
+    assert mixed[2].outputs[0].token_ids == alone
+    second_run = LLM(str(tiny_ckpt[0]), compilation_cache_dir=compile_cache, **ENGINE_ARGS)
+    assert second_run.generate(target, params)[0].outputs[0].token_ids == alone
+
+
+def test_n_samples_return_n_distinct_completions(llm):
+    out = llm.generate(ids_prompt([5, 6, 7]), SamplingParams(n=3, temperature=1.0, seed=3,
+                                                               max_tokens=8, ignore_eos=True))
+    comps = out[0].outputs
+    assert [c.index for c in comps] == [0, 1, 2]
+    assert len({tuple(c.token_ids) for c in comps}) > 1
+    assert all(c.finish_reason == "length" and len(c.token_ids) == 8 for c in comps)
+
+
+def test_logprobs_equal_hf_log_softmax(llm, tiny_ckpt):
+    prompt = make_prompts([10], seed=4)[0]
+    out = llm.generate(ids_prompt(prompt), SamplingParams(temperature=0.0, max_tokens=5,
+                                                           logprobs=3, ignore_eos=True))[0]
+    comp = out.outputs[0]
+    full = prompt + comp.token_ids
+    logits = hf_logits(tiny_ckpt[1], np.array([full]))[0]
+    ref = logits - np.log(np.exp(logits).sum(-1, keepdims=True))
+    total = 0.0
+    for i, (token, entry) in enumerate(zip(comp.token_ids, comp.logprobs)):
+        row = ref[len(prompt) - 1 + i]
+        assert entry[token].rank == 1
+        assert abs(entry[token].logprob - row[token]) < 1e-4
+        top3 = np.argsort(-row)[:3]
+        assert set(top3) <= set(entry)
+        total += row[token]
+    assert abs(comp.cumulative_logprob - total) < 1e-3
+
+
+def test_eos_stops_unless_ignored_and_min_tokens_delays_it(llm, tiny_ckpt):
+    prompt = make_prompts([6], seed=12)[0]
+    free = llm.generate(ids_prompt(prompt), SamplingParams(temperature=0.0, max_tokens=20,
+                                                           ignore_eos=True))[0].outputs[0]
+    eos = free.token_ids[2]  # pretend the third greedy token is the stop token
+    stopped = llm.generate(ids_prompt(prompt), SamplingParams(
+        temperature=0.0, max_tokens=20, stop_token_ids=[eos]))[0].outputs[0]
+    assert stopped.token_ids == free.token_ids[:free.token_ids.index(eos) + 1]
+    assert stopped.finish_reason == "stop" and stopped.stop_reason == eos
+    delayed = llm.generate(ids_prompt(prompt), SamplingParams(
+        temperature=0.0, max_tokens=20, stop_token_ids=[eos], min_tokens=5))[0].outputs[0]
+    assert len(delayed.token_ids) >= 5 and eos not in delayed.token_ids[:5]
+
+
+def test_stop_strings_cut_across_token_boundaries(tok_llm):
+    tok = tok_llm.get_tokenizer()
+    prompt = ids_prompt(tok.encode("Once upon a time"))
+    free = tok_llm.generate(prompt, SamplingParams(temperature=0.0, max_tokens=24,
+                                                   ignore_eos=True))[0].outputs[0]
+    text = free.text
+    assert len(text) > 6
+    stop = text[3:6]  # a snippet that need not align with token boundaries
+    out = tok_llm.generate(prompt, SamplingParams(temperature=0.0, max_tokens=24,
+                                                  stop=[stop]))[0].outputs[0]
+    assert out.text == text[:text.index(stop)]
+    assert out.finish_reason == "stop" and out.stop_reason == stop
+    kept = tok_llm.generate(prompt, SamplingParams(temperature=0.0, max_tokens=24, stop=[stop],
+                                                   include_stop_str_in_output=True))
+    assert kept[0].outputs[0].text == text[:text.index(stop) + len(stop)]
+
+
+def test_chat_uses_the_checkpoint_template(tok_llm):
+    tok = tok_llm.get_tokenizer()
+    messages = [{"role": "user", "content": "Hi there"}]
+    out = tok_llm.chat(messages, SamplingParams(temperature=0.0, max_tokens=4),
+                       chat_template_kwargs={"enable_thinking": False})[0]
+    expected = tok.apply_chat_template(messages, add_generation_prompt=True, tokenize=True,
+                                       enable_thinking=False)
+    assert out.prompt_token_ids == expected
+    assert "<think>" in tok.decode(expected, skip_special_tokens=False)
