@@ -117,7 +117,7 @@ def hf_global_tensor(reader, cfg, path: tuple[str, ...], shape) -> np.ndarray:
     raise ValueError(f"no HF tensor maps to parameter {'/'.join(map(str, path))}")
 
 
-@functools.partial(jax.jit, donate_argnums=0, static_argnums=2)
+@functools.partial(jax.jit, donate_argnums=0)
 def _set_layer(buffer, value, index):
     return buffer.at[index].set(value.astype(buffer.dtype))
 
