@@ -247,6 +247,9 @@ def _rope_fields(hf: dict) -> tuple[float, dict | None]:
     theta = params.pop("rope_theta", hf.get("rope_theta", 10_000.0))
     if params.get("rope_type", "default") == "default":
         params = {}
+    if params.get("rope_type") == "yarn":  # HF's default when the checkpoint omits it
+        params.setdefault("original_max_position_embeddings", hf.get(
+            "original_max_position_embeddings", hf.get("max_position_embeddings", 40_960)))
     return float(theta), (params or None)
 
 

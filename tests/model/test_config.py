@@ -89,7 +89,6 @@ def test_head_dim_may_differ_from_hidden_over_heads():
     (dict(num_key_value_heads=3), "num_key_value_heads"),
     (dict(num_local_experts=8), "num_local_experts"),
     (dict(rope_scaling={"rope_type": "dynamic", "factor": 2.0}), "rope_type"),
-    (dict(rope_scaling={"rope_type": "yarn", "factor": 2.0}), "original_max_position_embeddings"),
     (dict(mlp_only_layers=[4]), "mlp_only_layers"),
     (dict(mlp_only_layers=[-1]), "mlp_only_layers"),
     (dict(num_experts_per_tok=5), "num_experts_per_tok"),
@@ -138,3 +137,28 @@ def test_yarn_matches_transformers_rope_init(rope):
     assert inv_freq.shape == (32,) and inv_freq.dtype == np.float32
     np.testing.assert_allclose(inv_freq, ref_inv_freq.numpy(), rtol=1e-6, atol=0)
     assert scale == pytest.approx(float(ref_scale), rel=1e-7)
+
+
+@pytest.mark.parametrize("spelling", ["rope_scaling", "rope_parameters"])
+def test_yarn_without_original_max_positions_defaults_like_transformers(spelling):
+    from transformers import Qwen3MoeConfig
+    from transformers.modeling_rope_utils import ROPE_INIT_FUNCTIONS
+    fields = _hf(head_dim=64, max_position_embeddings=4096)
+    theta = fields.pop("rope_theta")
+    rope = {"rope_type": "yarn", "factor": 4.0}
+    if spelling == "rope_parameters":
+        fields["rope_parameters"] = {"rope_theta": theta, **rope}
+    else:
+        fields.update(rope_theta=theta, rope_scaling=rope)
+    cfg = ModelConfig.from_hf(fields)
+    assert cfg.rope_scaling["original_max_position_embeddings"] == 4096
+    ref_inv_freq, ref_scale = ROPE_INIT_FUNCTIONS["yarn"](Qwen3MoeConfig(**fields))
+    np.testing.assert_allclose(cfg.rope_inv_freq_and_scale[0], ref_inv_freq.numpy(), rtol=1e-6)
+    assert cfg.rope_inv_freq_and_scale[1] == pytest.approx(float(ref_scale), rel=1e-7)
+
+
+def test_yarn_config_built_directly_requires_original_max_positions():
+    fields = {k: v for k, v in TINY_MOE.items() if k != "architectures"}
+    with pytest.raises(ValueError, match="original_max_position_embeddings"):
+        ModelConfig(architecture="Qwen3MoeForCausalLM", **fields,
+                    rope_scaling={"rope_type": "yarn", "factor": 2.0})
