@@ -50,6 +50,7 @@ class LLMEngine:
         self._seqs: dict[str, SeqState] = {}
         self._parents: dict[str, ParentState] = {}
         self.compile_seconds = 0.0
+        self.last_step: dict = {}
         if config.precompile:
             self.compile_seconds = self.runner.precompile(
                 self.bucket_pairs, self.pages_per_seq, progress=config.show_progress)
@@ -178,6 +179,9 @@ class LLMEngine:
             self._seqs.pop(child.request.request_id, None)
         return self.output_processor.request_output(parent)
 
+    def request_ids(self) -> list[str]:
+        return list(self._parents)
+
     def has_unfinished_requests(self) -> bool:
         return bool(self._parents)
 
@@ -193,7 +197,11 @@ class LLMEngine:
         sampling = build_sampling_arrays(
             [self._sampling_entry(s.request) for s in out.scheduled], inputs.padded_num_seqs,
             self.max_model_len)
+        started = time.perf_counter()
         result = self.runner.execute(inputs, sampling)
+        self.last_step = {"num_tokens": inputs.num_tokens, "num_seqs": out.num_seqs,
+                          "bucket": inputs.bucket, "seconds": time.perf_counter() - started,
+                          "num_preempted": len(out.preempted)}
         self.scheduler.update_after_step(out)
         touched: dict[str, ParentState] = {}
         for row, scheduled in enumerate(out.scheduled):

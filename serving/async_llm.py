@@ -1,0 +1,157 @@
+"""AsyncLLM: the engine loop in a background thread, asyncio streams for callers.
+
+Only the engine thread touches the engine: callers submit commands (add, abort) through a
+queue and await their result, and outputs come back on per-request asyncio queues.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import concurrent.futures
+import logging
+import queue
+import threading
+import uuid
+from collections.abc import AsyncIterator, Callable
+
+from serving.engine import LLMEngine
+from serving.llm import engine_config_from_kwargs
+from serving.request import RequestOutput, SamplingParams
+
+logger = logging.getLogger(__name__)
+
+
+class EngineDeadError(RuntimeError):
+    pass
+
+
+class AsyncLLM:
+    def __init__(self, model: str | None = None, *, engine: LLMEngine | None = None, **kwargs):
+        self.engine = engine or LLMEngine(engine_config_from_kwargs(model, **kwargs))
+        self._commands: queue.SimpleQueue = queue.SimpleQueue()
+        self._wake = threading.Event()
+        self._streams: dict[str, tuple[asyncio.AbstractEventLoop, asyncio.Queue]] = {}
+        self._running = True
+        self.dead: BaseException | None = None
+        # Called on the engine thread after every step with (step stats, outputs).
+        self.step_listeners: list[Callable[[dict, list[RequestOutput]], None]] = []
+        self._stats = self.engine.stats()
+        self._thread = threading.Thread(target=self._loop, name="qwen-jax-engine", daemon=True)
+        self._thread.start()
+
+    # ---- public API ---------------------------------------------------------------------
+    @property
+    def tokenizer(self):
+        return self.engine.tokenizer
+
+    def stats(self) -> dict:
+        """The engine's stats as of its last step (a snapshot; never blocks)."""
+        return dict(self._stats)
+
+    async def generate(self, prompt, sampling_params: SamplingParams | None = None,
+                       request_id: str | None = None, *, priority: int = 0
+                       ) -> AsyncIterator[RequestOutput]:
+        """Stream cumulative RequestOutputs until the request finishes. Leaving the loop
+        early (or cancelling the task) aborts the request and frees its pages."""
+        request_id = request_id or uuid.uuid4().hex
+        if request_id in self._streams:
+            raise ValueError(f"request_id {request_id!r} is already in use")
+        stream: asyncio.Queue = asyncio.Queue()
+        self._streams[request_id] = (asyncio.get_running_loop(), stream)
+        finished = False
+        try:
+            await self._call(self.engine.add_request, request_id, prompt, sampling_params,
+                             priority=priority)
+            while True:
+                item = await stream.get()
+                if isinstance(item, BaseException):
+                    finished = True
+                    raise item
+                finished = item.finished
+                yield item
+                if finished:
+                    return
+        finally:
+            self._streams.pop(request_id, None)
+            if not finished:
+                self._submit(self.engine.abort, request_id)
+
+    async def abort(self, request_id: str) -> None:
+        """Abort a request; its stream ends with a final output (finish_reason "abort")."""
+        final = await self._call(self.engine.abort, request_id)
+        if final is not None:
+            self._deliver(request_id, final)
+
+    async def wait_until_idle(self, timeout: float) -> bool:
+        """True when no request is left within `timeout` seconds."""
+        loop = asyncio.get_running_loop()
+        deadline = loop.time() + timeout
+        while loop.time() < deadline:
+            if not await self._call(self.engine.has_unfinished_requests):
+                return True
+            await asyncio.sleep(0.05)
+        return False
+
+    async def abort_all(self) -> None:
+        for request_id in list(self._streams):
+            await self.abort(request_id)
+
+    def shutdown(self) -> None:
+        self._running = False
+        self._wake.set()
+        self._thread.join(timeout=10)
+
+    # ---- engine thread -----------------------------------------------------------------
+    def _submit(self, fn, *args, **kwargs) -> concurrent.futures.Future:
+        future: concurrent.futures.Future = concurrent.futures.Future()
+        if self.dead is not None:
+            future.set_exception(EngineDeadError(f"engine loop died: {self.dead!r}"))
+            return future
+        self._commands.put((fn, args, kwargs, future))
+        self._wake.set()
+        return future
+
+    def _call(self, fn, *args, **kwargs):
+        return asyncio.wrap_future(self._submit(fn, *args, **kwargs))
+
+    def _loop(self) -> None:
+        while self._running:
+            self._wake.clear()
+            self._run_commands()
+            if not self.engine.has_unfinished_requests():
+                self._wake.wait(timeout=1.0)
+                continue
+            try:
+                outputs = self.engine.step()
+            except Exception as exc:  # a failed step must not leave callers hanging
+                logger.exception("engine step failed")
+                self._fail_all(exc)
+                continue
+            self._stats = self.engine.stats()
+            for output in outputs:
+                self._deliver(output.request_id, output)
+            for listener in self.step_listeners:
+                listener(self.engine.last_step, outputs)
+
+    def _run_commands(self) -> None:
+        while True:
+            try:
+                fn, args, kwargs, future = self._commands.get_nowait()
+            except queue.Empty:
+                break
+            try:
+                future.set_result(fn(*args, **kwargs))
+            except Exception as exc:
+                future.set_exception(exc)
+        self._stats = self.engine.stats()
+
+    def _deliver(self, request_id: str, item) -> None:
+        target = self._streams.get(request_id)
+        if target is not None:
+            loop, stream = target
+            loop.call_soon_threadsafe(stream.put_nowait, item)
+
+    def _fail_all(self, exc: Exception) -> None:
+        for request_id in self.engine.request_ids():
+            self.engine.abort(request_id)
+            self._deliver(request_id, RuntimeError(f"engine step failed: {exc}"))

@@ -1,0 +1,82 @@
+"""AsyncLLM: streaming from the background engine thread, concurrency, abort frees pages."""
+
+import asyncio
+
+import pytest
+
+from qwen_jax import AsyncLLM, LLM, SamplingParams
+from tests.engine.conftest import make_prompts
+
+ARGS = dict(max_num_seqs=8, max_num_batched_tokens=64, max_model_len=128,
+            token_buckets=[8, 64], seq_buckets=[4, 8], show_progress=False)
+
+
+@pytest.fixture(scope="module")
+def async_llm(tiny_ckpt, compile_cache):
+    llm = AsyncLLM(str(tiny_ckpt[0]), compilation_cache_dir=compile_cache, **ARGS)
+    yield llm
+    llm.shutdown()
+
+
+async def collect(llm, prompt, params, request_id=None):
+    outputs = [out async for out in llm.generate({"prompt_token_ids": prompt}, params,
+                                                  request_id=request_id)]
+    return outputs
+
+
+async def test_streams_grow_token_by_token_and_end_finished(async_llm):
+    outs = await collect(async_llm, [4, 5, 6], SamplingParams(temperature=0, max_tokens=6,
+                                                              ignore_eos=True))
+    lengths = [len(o.outputs[0].token_ids) for o in outs]
+    assert lengths == sorted(lengths) and lengths[-1] == 6 and len(outs) >= 2
+    assert outs[-1].finished and not any(o.finished for o in outs[:-1])
+
+
+async def test_concurrent_requests_get_what_they_get_alone(async_llm, tiny_ckpt, compile_cache):
+    prompts = make_prompts([3, 40, 17, 9, 25], seed=21)
+    params = SamplingParams(temperature=0, max_tokens=10, ignore_eos=True)
+    results = await asyncio.gather(*(collect(async_llm, p, params) for p in prompts))
+    together = [r[-1].outputs[0].token_ids for r in results]
+    alone = [(await collect(async_llm, p, params))[-1].outputs[0].token_ids for p in prompts]
+    assert together == alone
+
+
+async def test_leaving_the_stream_early_aborts_and_frees_pages(async_llm):
+    params = SamplingParams(temperature=0, max_tokens=100, ignore_eos=True)
+    gen = async_llm.generate({"prompt_token_ids": [7] * 30}, params, request_id="early")
+    async for out in gen:
+        if len(out.outputs[0].token_ids) >= 2:
+            break
+    await gen.aclose()
+    for _ in range(100):
+        stats = async_llm.stats()
+        if stats["num_running"] == 0 and stats["num_free_pages"] == stats["num_total_pages"]:
+            break
+        await asyncio.sleep(0.05)
+    assert stats["num_running"] == 0 and stats["num_free_pages"] == stats["num_total_pages"]
+
+
+async def test_abort_ends_the_stream_with_abort_reason(async_llm):
+    params = SamplingParams(temperature=0, max_tokens=200, ignore_eos=True)
+
+    started = asyncio.Event()
+
+    async def consume():
+        outs = []
+        async for o in async_llm.generate({"prompt_token_ids": [9, 9]}, params,
+                                          request_id="to-abort"):
+            outs.append(o)
+            started.set()
+        return outs
+    task = asyncio.create_task(consume())
+    await started.wait()
+    await async_llm.abort("to-abort")
+    outs = await asyncio.wait_for(task, 10)
+    assert outs[-1].finished and outs[-1].outputs[0].finish_reason == "abort"
+
+
+async def test_bad_request_raises_to_the_caller_and_engine_keeps_serving(async_llm):
+    with pytest.raises(ValueError, match="max_model_len"):
+        await collect(async_llm, [3] * 500, SamplingParams(max_tokens=2))
+    outs = await collect(async_llm, [3, 4], SamplingParams(temperature=0, max_tokens=2))
+    assert outs[-1].finished
