@@ -44,9 +44,59 @@ def _run_convert(args) -> int:
     return 0
 
 
+# ---- generate --------------------------------------------------------------------------
+_SAMPLING_OPTIONS = (  # (flag, type, SamplingParams field)
+    ("--temperature", float, "temperature"), ("--top-p", float, "top_p"),
+    ("--top-k", int, "top_k"), ("--min-p", float, "min_p"),
+    ("--max-tokens", int, "max_tokens"), ("--min-tokens", int, "min_tokens"),
+    ("--repetition-penalty", float, "repetition_penalty"),
+    ("--presence-penalty", float, "presence_penalty"),
+    ("--frequency-penalty", float, "frequency_penalty"),
+    ("--sampling-seed", int, "seed"))
+
+
+def _add_generate(subparsers) -> None:
+    from serving.cli_args import add_engine_args
+    p = subparsers.add_parser(
+        "generate", help="offline batch generation over a JSONL file (resumable)",
+        description="Each input line: {\"id\", \"prompt\" (text or token ids) | \"messages\", "
+                    "optional SamplingParams fields}. One result line per id is appended to "
+                    "--output as it finishes; rerunning skips the ids already there.")
+    p.add_argument("--input", required=True, help="prompts JSONL")
+    p.add_argument("--output", required=True, help="results JSONL (appended to; resumable)")
+    p.add_argument("--errors", default=None,
+                   help="bad-line report JSONL (default: OUTPUT.errors.jsonl, if any)")
+    p.add_argument("--no-progress", action="store_false", dest="progress")
+    add_engine_args(p)
+    g = p.add_argument_group("sampling defaults (a line's own fields override them; without "
+                             "a seed, a line samples with one derived from --seed and its id)")
+    for flag, kind, field in _SAMPLING_OPTIONS:
+        g.add_argument(flag, type=kind, default=None, dest=f"sp_{field}",
+                       metavar=field.upper())
+    g.add_argument("--stop", action="append", default=None, dest="sp_stop", metavar="TEXT")
+    g.add_argument("--ignore-eos", action="store_true", default=None, dest="sp_ignore_eos")
+    p.set_defaults(func=_run_generate)
+
+
+def _run_generate(args) -> int:
+    import json
+
+    from qwen_jax.batch import generate_file
+    from serving.cli_args import engine_kwargs
+
+    sampling = {k[3:]: v for k, v in vars(args).items() if k.startswith("sp_") and v is not None}
+    summary = generate_file(args.input, args.output, model=args.model,
+                            engine_kwargs={**engine_kwargs(args), "show_progress": args.progress},
+                            default_sampling=sampling,
+                            errors_path=args.errors, progress=args.progress,
+                            base_seed=args.seed)
+    print(json.dumps(summary))
+    return 0
+
+
 # ---- dispatch --------------------------------------------------------------------------
 # serve / generate / bench: add `_add_serve` etc. here (same shape as `_add_convert`).
-SUBCOMMANDS = (_add_convert,)
+SUBCOMMANDS = (_add_convert, _add_generate)
 
 
 def build_parser() -> argparse.ArgumentParser:
