@@ -1,0 +1,355 @@
+"""Train the tiny Qwen3-MoE shipped in qwen_jax/assets/tiny-qwen3-moe (CPU, seeded).
+
+    nice -n 10 python scripts/train_tiny.py [--out DIR] [--steps N]
+
+Builds a byte-level BPE tokenizer with Qwen3's special tokens and chat template, trains a
+small Qwen3-MoE on the generated tasks of `qwen_jax.tasks` (loss on assistant tokens only),
+and writes a normal HF checkpoint directory. Training uses a dense causal forward over the
+model's own parameter pytree (every expert computed, weighted by the router), checked
+against `Qwen3ForCausalLM.__call__` before training starts.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import time
+from pathlib import Path
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+import optax
+from flax import nnx
+from tokenizers import Tokenizer, decoders, models, normalizers, pre_tokenizers, trainers
+
+from qwen_jax import tasks
+from qwen_jax.config import ModelConfig
+from qwen_jax.layers import apply_rope
+from qwen_jax.model import Qwen3ForCausalLM
+from qwen_jax.moe import route
+
+DEFAULT_OUT = Path(__file__).resolve().parents[1] / "qwen_jax/assets/tiny-qwen3-moe"
+SPECIAL = ("<|endoftext|>", "<|im_start|>", "<|im_end|>")
+THINK = ("<think>", "</think>")  # added, not special (as in Qwen3)
+QWEN_SPLIT = (r"(?i:'s|'t|'re|'ve|'m|'ll|'d)|[^\r\n\p{L}\p{N}]?\p{L}+|\p{N}| ?[^\s\p{L}\p{N}]+"
+              r"[\r\n]*|\s*[\r\n]+|\s+(?!\S)|\s+")
+# Qwen3's template without tools: same turn markup and the same empty think block.
+CHAT_TEMPLATE = (
+    "{%- if messages[0].role == 'system' %}"
+    "{{- '<|im_start|>system\\n' + messages[0].content + '<|im_end|>\\n' }}"
+    "{%- endif %}"
+    "{%- set ns = namespace(last_query_index=messages|length - 1) %}"
+    "{%- for message in messages %}{%- if message.role == 'user' %}"
+    "{%- set ns.last_query_index = loop.index0 %}{%- endif %}{%- endfor %}"
+    "{%- for message in messages %}"
+    "{%- if message.role == 'user' or (message.role == 'system' and not loop.first) %}"
+    "{{- '<|im_start|>' + message.role + '\\n' + message.content + '<|im_end|>\\n' }}"
+    "{%- elif message.role == 'assistant' %}"
+    "{%- set content = message.content %}{%- set reasoning_content = '' %}"
+    "{%- if message.reasoning_content is defined and message.reasoning_content is not none %}"
+    "{%- set reasoning_content = message.reasoning_content %}"
+    "{%- elif '</think>' in content %}"
+    "{%- set reasoning_content = content.split('</think>')[0].rstrip('\\n').split('<think>')[-1].lstrip('\\n') %}"
+    "{%- set content = content.split('</think>')[-1].lstrip('\\n') %}"
+    "{%- endif %}"
+    "{%- if loop.index0 > ns.last_query_index and (loop.last or reasoning_content) %}"
+    "{{- '<|im_start|>assistant\\n<think>\\n' + reasoning_content.strip('\\n') + '\\n</think>\\n\\n' + content.lstrip('\\n') }}"
+    "{%- else %}{{- '<|im_start|>assistant\\n' + content }}{%- endif %}"
+    "{{- '<|im_end|>\\n' }}"
+    "{%- endif %}"
+    "{%- endfor %}"
+    "{%- if add_generation_prompt %}{{- '<|im_start|>assistant\\n' }}"
+    "{%- if enable_thinking is defined and enable_thinking is false %}"
+    "{{- '<think>\\n\\n</think>\\n\\n' }}{%- endif %}{%- endif %}"
+)
+
+
+# ---- tokenizer ---------------------------------------------------------------------------
+def train_tokenizer(vocab_size: int, seed: int) -> Tokenizer:
+    tok = Tokenizer(models.BPE())
+    tok.normalizer = normalizers.NFC()
+    tok.pre_tokenizer = pre_tokenizers.Sequence([
+        pre_tokenizers.Split(pattern=_regex(QWEN_SPLIT), behavior="isolated"),
+        pre_tokenizers.ByteLevel(add_prefix_space=False, use_regex=False)])
+    tok.decoder = decoders.ByteLevel(add_prefix_space=False, use_regex=False)
+    corpus = ["user\n", "assistant\n", "system\n", "\n\n"] * 500
+    for task in tasks.TASKS:
+        for p in tasks.problems(task, 400, seed=seed, split="train"):
+            corpus += [p.prompt, p.answer]
+    trainer = trainers.BpeTrainer(vocab_size=vocab_size, show_progress=False,
+                                  initial_alphabet=pre_tokenizers.ByteLevel.alphabet())
+    tok.train_from_iterator(corpus, trainer)
+    tok.add_special_tokens(list(SPECIAL))
+    tok.add_tokens(list(THINK))
+    return tok
+
+
+def _regex(pattern: str):
+    from tokenizers import Regex
+    return Regex(pattern)
+
+
+def save_tokenizer(tok: Tokenizer, out: Path) -> None:
+    tok.save(str(out / "tokenizer.json"))
+    added = {str(tok.token_to_id(t)): {
+        "content": t, "lstrip": False, "normalized": False, "rstrip": False,
+        "single_word": False, "special": t in SPECIAL} for t in SPECIAL + THINK}
+    config = {
+        "add_bos_token": False, "add_prefix_space": False, "added_tokens_decoder": added,
+        "additional_special_tokens": ["<|im_start|>", "<|im_end|>"], "bos_token": None,
+        "chat_template": CHAT_TEMPLATE, "clean_up_tokenization_spaces": False,
+        "eos_token": "<|im_end|>", "errors": "replace", "model_max_length": 1024,
+        "pad_token": "<|endoftext|>", "split_special_tokens": False,
+        "tokenizer_class": "Qwen2Tokenizer", "unk_token": None,
+    }
+    (out / "tokenizer_config.json").write_text(json.dumps(config, indent=2) + "\n")
+
+
+def render_prompt(messages: list[dict]) -> str:
+    import jinja2
+    env = jinja2.Environment(trim_blocks=True, lstrip_blocks=True)
+    return env.from_string(CHAT_TEMPLATE).render(
+        messages=messages, add_generation_prompt=True, enable_thinking=False)
+
+
+# ---- data --------------------------------------------------------------------------------
+def encode_problem(tok: Tokenizer, p: tasks.Problem) -> tuple[list[int], list[int]]:
+    """(prompt ids, answer ids + <|im_end|>) tokenized separately, as at inference."""
+    prompt = tok.encode(render_prompt(p.messages)).ids
+    return prompt, tok.encode(p.answer).ids + [tok.token_to_id("<|im_end|>")]
+
+
+def make_batch(tok, rng, task_counts: dict[str, int], seq_len: int, pad_id: int,
+               answer_len: int = 17):
+    """-> (ids int32[B, T], non-pad f32[B, T], answer positions int32[B, A], their next
+    tokens int32[B, A], answer mask f32[B, A]). Position i predicts token i + 1."""
+    rows = []
+    for task, count in task_counts.items():
+        for _ in range(count):
+            rows.append(encode_problem(tok, tasks.MAKERS[task](rng)))
+    ids = np.full((len(rows), seq_len), pad_id, np.int32)
+    pos = np.zeros((len(rows), answer_len), np.int32)
+    targets = np.zeros((len(rows), answer_len), np.int32)
+    mask = np.zeros((len(rows), answer_len), np.float32)
+    for i, (prompt, answer) in enumerate(rows):
+        seq = prompt + answer
+        if len(seq) > seq_len or len(answer) > answer_len:
+            raise ValueError(f"example of {len(seq)} tokens exceeds seq_len={seq_len}")
+        ids[i, :len(seq)] = seq
+        n = len(answer)
+        pos[i, :n] = np.arange(len(prompt) - 1, len(seq) - 1)
+        targets[i, :n], mask[i, :n] = answer, 1.0
+    return ids, (ids != pad_id).astype(np.float32), pos, targets, mask
+
+
+# ---- model -------------------------------------------------------------------------------
+def tiny_config(vocab_size: int, im_end: int, eot: int) -> ModelConfig:
+    return ModelConfig(
+        vocab_size=vocab_size, hidden_size=128, intermediate_size=256, num_hidden_layers=4,
+        num_attention_heads=4, num_key_value_heads=2, head_dim=32, rope_theta=10_000.0,
+        max_position_embeddings=1024, num_experts=8, num_experts_per_tok=2,
+        moe_intermediate_size=32, norm_topk_prob=True, mlp_only_layers=(0,),
+        bos_token_id=eot, eos_token_id=im_end)
+
+
+def dense_attention(attn, x, rope):
+    """x: [B, T, D] -> [B, T, D]; causal, GQA (query head n reads kv head n // G)."""
+    b, t, _ = x.shape
+    n, k, h = attn.num_heads, attn.num_kv_heads, attn.head_dim
+    positions = jnp.arange(t, dtype=jnp.int32)
+    q = apply_rope(attn.q_norm(attn.q_proj(x).reshape(b, t, n, h)), positions, *rope)
+    kk = apply_rope(attn.k_norm(attn.k_proj(x).reshape(b, t, k, h)), positions, *rope)
+    v = attn.v_proj(x).reshape(b, t, k, h)  # [B, T, K, H]
+    q = q.reshape(b, t, k, n // k, h)  # [B, T, K, G, H]
+    scores = jnp.einsum("btkgh,bskh->bkgts", q, kk).astype(jnp.float32) * h ** -0.5
+    causal = jnp.tril(jnp.ones((t, t), bool))
+    probs = jax.nn.softmax(jnp.where(causal, scores, -1e30), axis=-1).astype(x.dtype)
+    out = jnp.einsum("bkgts,bskh->btkgh", probs, v).reshape(b, t, n * h)
+    return attn.o_proj(out)
+
+
+def dense_moe(moe, x, mask):
+    """x: [B, T, D] -> ([B, T, D], load-balancing loss); every expert computed densely."""
+    b, t, d = x.shape
+    x2 = x.reshape(b * t, d)  # [T', D]
+    gate = moe.gate[...]
+    weights, ids = route(x2, gate, moe.top_k, moe.norm_topk_prob)  # [T', k]
+    num_experts = gate.shape[-1]
+    dense_w = jnp.sum(jax.nn.one_hot(ids, num_experts) * weights[..., None], axis=1)  # [T', E]
+    gu = moe.gate_up_proj[...]
+    f = gu.shape[-1] // 2
+    hid = jnp.einsum("td,edf->tef", x2, gu)  # [T', E, 2F]
+    act = jax.nn.silu(hid[..., :f]) * hid[..., f:]
+    y = jnp.einsum("tef,efd->ted", act, moe.down_proj[...])  # [T', E, D]
+    out = jnp.einsum("ted,te->td", y, dense_w.astype(x.dtype)).reshape(b, t, d)
+    m = mask.reshape(-1, 1)
+    probs = jax.nn.softmax(jnp.einsum("td,de->te", x2.astype(jnp.float32), gate), axis=-1)
+    chosen = jnp.sum(jax.nn.one_hot(ids, num_experts), axis=1) / moe.top_k  # [T', E]
+    frac = jnp.sum(chosen * m, 0) / jnp.maximum(jnp.sum(m), 1.0)
+    mean_prob = jnp.sum(probs * m, 0) / jnp.maximum(jnp.sum(m), 1.0)
+    return out, num_experts * jnp.sum(frac * mean_prob)
+
+
+def dense_hidden(model: Qwen3ForCausalLM, input_ids, token_mask):
+    """input_ids: int32[B, T] -> (final normed hidden [B, T, D], mean load-balancing loss)."""
+    cfg = model.config
+    x = model.embed_tokens[...][input_ids]  # [B, T, D]
+    rope = (model.rope_inv_freq[...], model.rope_scale)
+    aux_total = 0.0
+    for stack, (kind, _, _) in zip(model.segments, cfg.segments):
+        graphdef, state = nnx.split(stack)
+
+        def body(h, layer_state, graphdef=graphdef, kind=kind):
+            layer = nnx.merge(graphdef, layer_state)
+            h = h + dense_attention(layer.self_attn, layer.input_layernorm(h), rope)
+            normed = layer.post_attention_layernorm(h)
+            if kind == "moe":
+                out, aux = dense_moe(layer.mlp, normed, token_mask)
+            else:
+                out, aux = layer.mlp(normed, None, None), jnp.zeros(())
+            return h + out, aux
+
+        x, aux = jax.lax.scan(body, x, state)
+        aux_total = aux_total + jnp.sum(aux)
+    num_moe = max(1, sum(k == "moe" for k in cfg.layer_kinds))
+    return model.norm(x), aux_total / num_moe
+
+
+def dense_forward(model: Qwen3ForCausalLM, input_ids, token_mask):
+    """input_ids: int32[B, T] -> (float32 logits [B, T, V], mean load-balancing loss)."""
+    hidden, aux = dense_hidden(model, input_ids, token_mask)
+    return model.compute_logits(hidden), aux
+
+
+def loss_fn(params, graphdef, rest, batch, aux_weight):
+    """Cross-entropy on assistant tokens only (logits computed only there) + balance loss."""
+    ids, token_mask, pos, targets, mask = batch
+    model = nnx.merge(graphdef, params, rest)
+    hidden, aux = dense_hidden(model, ids, token_mask)  # [B, T, D]
+    hidden = jnp.take_along_axis(hidden, pos[..., None], axis=1)  # [B, A, D]
+    nll = optax.softmax_cross_entropy_with_integer_labels(model.compute_logits(hidden), targets)
+    ce = jnp.sum(nll * mask) / jnp.sum(mask)
+    return ce + aux_weight * aux, (ce, aux)
+
+
+def make_train_step(graphdef, rest, optimizer, aux_weight):
+    @jax.jit
+    def step(params, opt_state, short_batch, long_batch):
+        def total(p):
+            a, (ce_a, aux_a) = loss_fn(p, graphdef, rest, short_batch, aux_weight)
+            b, (ce_b, aux_b) = loss_fn(p, graphdef, rest, long_batch, aux_weight)
+            return a + b, (ce_a, ce_b, aux_a + aux_b)
+        (loss, metrics), grads = jax.value_and_grad(total, has_aux=True)(params)
+        updates, opt_state = optimizer.update(grads, opt_state, params)
+        return optax.apply_updates(params, updates), opt_state, metrics
+    return step
+
+
+def check_dense_forward(model: Qwen3ForCausalLM, vocab: int) -> float:
+    ids = jax.random.randint(jax.random.key(1), (2, 40), 0, vocab, jnp.int32)
+    with jax.default_matmul_precision("highest"):
+        ref = model(ids)
+        ours, _ = dense_forward(model, ids, jnp.ones(ids.shape))
+    err = float(jnp.max(jnp.abs(ref - ours)))
+    if err > 1e-5:
+        raise RuntimeError(f"dense training forward differs from model(): max |diff| = {err}")
+    return err
+
+
+# ---- HF export ---------------------------------------------------------------------------
+def hf_tensors(model: Qwen3ForCausalLM) -> dict[str, np.ndarray]:
+    """Our params -> HF Qwen3-MoE names (torch [out, in]; experts stored per expert)."""
+    cfg = model.config
+    out = {"model.embed_tokens.weight": model.embed_tokens[...],
+           "model.norm.weight": model.norm.weight[...], "lm_head.weight": model.lm_head[...].T}
+    for stack, (kind, first, count) in zip(model.segments, cfg.segments):
+        for j in range(count):
+            p = f"model.layers.{first + j}."
+            out[p + "input_layernorm.weight"] = stack.input_layernorm.weight[j]
+            out[p + "post_attention_layernorm.weight"] = stack.post_attention_layernorm.weight[j]
+            attn = stack.self_attn
+            for name in ("q_proj", "k_proj", "v_proj", "o_proj"):
+                out[p + f"self_attn.{name}.weight"] = getattr(attn, name).kernel[j].T
+            out[p + "self_attn.q_norm.weight"] = attn.q_norm.weight[j]
+            out[p + "self_attn.k_norm.weight"] = attn.k_norm.weight[j]
+            mlp = stack.mlp
+            if kind == "dense":
+                for name in ("gate_proj", "up_proj", "down_proj"):
+                    out[p + f"mlp.{name}.weight"] = getattr(mlp, name).kernel[j].T
+                continue
+            f = cfg.moe_intermediate_size
+            out[p + "mlp.gate.weight"] = mlp.gate[j].T  # [E, D]
+            for e in range(cfg.num_experts):
+                gu = mlp.gate_up_proj[j, e]  # [D, 2F]
+                out[p + f"mlp.experts.{e}.gate_proj.weight"] = gu[:, :f].T
+                out[p + f"mlp.experts.{e}.up_proj.weight"] = gu[:, f:].T
+                out[p + f"mlp.experts.{e}.down_proj.weight"] = mlp.down_proj[j, e].T
+    return {k: np.ascontiguousarray(np.asarray(v, np.float32)) for k, v in out.items()}
+
+
+def save_checkpoint(model: Qwen3ForCausalLM, tok: Tokenizer, out: Path) -> None:
+    from safetensors.numpy import save_file
+    out.mkdir(parents=True, exist_ok=True)
+    save_file(hf_tensors(model), str(out / "model.safetensors"), metadata={"format": "pt"})
+    config = {**model.config.to_hf_dict(), "torch_dtype": "float32", "use_cache": True}
+    (out / "config.json").write_text(json.dumps(config, indent=2) + "\n")
+    im_end, eot = tok.token_to_id("<|im_end|>"), tok.token_to_id("<|endoftext|>")
+    gen = {"bos_token_id": eot, "eos_token_id": [im_end, eot], "pad_token_id": eot,
+           "do_sample": False}
+    (out / "generation_config.json").write_text(json.dumps(gen, indent=2) + "\n")
+    save_tokenizer(tok, out)
+
+
+# ---- main --------------------------------------------------------------------------------
+def main(argv=None) -> None:
+    ap = argparse.ArgumentParser(description=__doc__.split("\n")[0])
+    ap.add_argument("--out", type=Path, default=DEFAULT_OUT)
+    ap.add_argument("--steps", type=int, default=2000)
+    ap.add_argument("--lr", type=float, default=3e-3)
+    ap.add_argument("--seed", type=int, default=0)
+    ap.add_argument("--short-per-task", type=int, default=16)
+    ap.add_argument("--num-copy", type=int, default=4)
+    ap.add_argument("--log-every", type=int, default=100)
+    ap.add_argument("--vocab", type=int, default=1024)
+    ap.add_argument("--tokenizer-only", action="store_true")
+    args = ap.parse_args(argv)
+    jax.config.update("jax_default_matmul_precision", "highest")
+    args.out.mkdir(parents=True, exist_ok=True)
+
+    tok = train_tokenizer(args.vocab - len(SPECIAL) - len(THINK), args.seed)
+    save_tokenizer(tok, args.out)
+    if args.tokenizer_only:
+        return
+    pad_id = tok.token_to_id("<|endoftext|>")
+    vocab = -(-tok.get_vocab_size() // 64) * 64
+    cfg = tiny_config(vocab, tok.token_to_id("<|im_end|>"), pad_id)
+    model = Qwen3ForCausalLM(cfg, dtype=jnp.float32, rngs=nnx.Rngs(args.seed), impl="reference")
+    print(f"dense forward check: max |diff| = {check_dense_forward(model, vocab):.2e}")
+    jax.config.update("jax_default_matmul_precision", "default")
+
+    graphdef, params, rest = nnx.split(model, nnx.Param, ...)
+    schedule = optax.warmup_cosine_decay_schedule(
+        0.0, args.lr, min(100, args.steps // 4), args.steps, args.lr * 0.05)
+    optimizer = optax.chain(optax.clip_by_global_norm(1.0),
+                            optax.adamw(schedule, b2=0.98, weight_decay=0.01))
+    opt_state = optimizer.init(params)
+    step_fn = make_train_step(graphdef, rest, optimizer, aux_weight=0.01)
+    rng = np.random.default_rng([args.seed, 7])
+    short = {t: args.short_per_task for t in ("add", "reverse", "sort")}
+    start = time.time()
+    for step in range(args.steps):
+        short_batch = make_batch(tok, rng, short, 64, pad_id)
+        long_batch = make_batch(tok, rng, {"copy": args.num_copy}, 352, pad_id)
+        params, opt_state, metrics = step_fn(params, opt_state, short_batch, long_batch)
+        if step % args.log_every == 0 or step == args.steps - 1:
+            ce_short, ce_copy, aux = (float(m) for m in metrics)
+            print(f"step {step:5d}  ce short {ce_short:.4f}  copy {ce_copy:.4f}  aux {aux:.3f}"
+                  f"  {time.time() - start:6.0f}s", flush=True)
+    model = nnx.merge(graphdef, params, rest)
+    save_checkpoint(model, tok, args.out)
+    print(f"wrote {args.out}")
+
+
+if __name__ == "__main__":
+    main()
