@@ -94,9 +94,44 @@ def _run_generate(args) -> int:
     return 0
 
 
+# ---- bench -----------------------------------------------------------------------------
+def _add_bench(subparsers) -> None:
+    from serving.bench.args import add_serve_args, add_throughput_args
+    from serving.cli_args import add_engine_args
+    p = subparsers.add_parser("bench", help="serving and offline throughput benchmarks")
+    kinds = p.add_subparsers(dest="bench_command")
+    kinds.required = True
+    serve = kinds.add_parser(
+        "serve", help="load-test an OpenAI-compatible server (vLLM's bench serve metrics)")
+    add_serve_args(serve)
+    serve.set_defaults(func=_run_bench_serve)
+    throughput = kinds.add_parser(
+        "throughput", help="offline throughput: every request submitted at once via LLM")
+    add_engine_args(throughput)
+    add_throughput_args(throughput)
+    throughput.set_defaults(func=_run_bench_throughput)
+
+
+def _run_bench_serve(args) -> int:
+    from serving.bench.serve import bench_serve
+    try:
+        report = bench_serve(args)
+    except (ValueError, RuntimeError) as e:
+        print(f"bench serve: {e}", file=sys.stderr)
+        return 2
+    return 0 if report["completed"] else 1
+
+
+def _run_bench_throughput(args) -> int:
+    from serving.bench.throughput import bench_throughput
+    from serving.cli_args import engine_kwargs
+    bench_throughput(args, {**engine_kwargs(args), "show_progress": args.progress})
+    return 0
+
+
 # ---- dispatch --------------------------------------------------------------------------
 # serve / generate / bench: add `_add_serve` etc. here (same shape as `_add_convert`).
-SUBCOMMANDS = (_add_convert, _add_generate)
+SUBCOMMANDS = (_add_convert, _add_generate, _add_bench)
 
 
 def build_parser() -> argparse.ArgumentParser:

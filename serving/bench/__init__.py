@@ -1,0 +1,4 @@
+"""`qwen-jax bench serve | throughput`: load generation and offline throughput.
+
+Metric definitions follow vLLM's `vllm bench serve` so figures compare one to one.
+"""

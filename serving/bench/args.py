@@ -1,0 +1,60 @@
+"""Arguments of `qwen-jax bench serve | throughput` (vLLM's names). argparse only, so
+`--help` stays fast."""
+
+from __future__ import annotations
+
+import argparse
+
+
+def _rate(text: str) -> float:
+    try:
+        return float(text)
+    except ValueError:
+        raise argparse.ArgumentTypeError(f"expected a number or 'inf', got {text!r}") from None
+
+
+def add_serve_args(p: argparse.ArgumentParser) -> None:
+    p.add_argument("--base-url", default="http://127.0.0.1:8000")
+    p.add_argument("--endpoint", default="/v1/completions",
+                   choices=("/v1/completions", "/v1/chat/completions"))
+    p.add_argument("--model", default=None, help="model name sent in each request")
+    p.add_argument("--tokenizer", default=None,
+                   help="tokenizer directory: exact random prompt lengths (default: random words)")
+    d = p.add_argument_group("dataset")
+    d.add_argument("--dataset", "--dataset-name", default="random", dest="dataset",
+                   choices=("random", "shared-prefix", "jsonl"))
+    d.add_argument("--dataset-path", default=None, help="JSONL of {prompt} or {messages}")
+    d.add_argument("--num-prompts", type=int, default=100)
+    d.add_argument("--random-input-len", type=int, default=1024)
+    d.add_argument("--random-output-len", type=int, default=128,
+                   help="output tokens (also for shared-prefix and jsonl lines without one)")
+    d.add_argument("--random-range-ratio", type=float, default=0.0)
+    d.add_argument("--shared-prefix-len", type=int, default=1024)
+    d.add_argument("--num-prefix-groups", type=int, default=4)
+    d.add_argument("--suffix-len", type=int, default=64)
+    d.add_argument("--seed", type=int, default=0)
+    t = p.add_argument_group("traffic")
+    t.add_argument("--request-rate", type=_rate, default=float("inf"),
+                   help="requests/s (Poisson arrivals); inf sends all at once")
+    t.add_argument("--burstiness", type=float, default=1.0,
+                   help="gamma shape of the arrival gaps: 1 is Poisson, < 1 burstier")
+    t.add_argument("--max-concurrency", type=int, default=None)
+    t.add_argument("--ignore-eos", action="store_true",
+                   help="ask for exactly the output length (vLLM's ignore_eos)")
+    t.add_argument("--no-warmup", action="store_true",
+                   help="skip the untimed test request sent first")
+    r = p.add_argument_group("report")
+    r.add_argument("--goodput", nargs="+", default=None, metavar="NAME:MS",
+                   help="SLOs for goodput, e.g. ttft:500 tpot:50 e2el:5000")
+    r.add_argument("--metric-percentiles", default="90,99")
+    r.add_argument("--result-json", default=None)
+    r.add_argument("--save-detailed", action="store_true",
+                   help="add per-request lengths and latencies to the JSON")
+
+
+def add_throughput_args(p: argparse.ArgumentParser) -> None:
+    p.add_argument("--num-prompts", type=int, default=64)
+    p.add_argument("--input-len", type=int, default=128)
+    p.add_argument("--output-len", type=int, default=128)
+    p.add_argument("--output-json", default=None)
+    p.add_argument("--no-progress", action="store_false", dest="progress")

@@ -1,0 +1,182 @@
+"""`qwen-jax bench serve`: an aiohttp load generator for any OpenAI-compatible server."""
+
+from __future__ import annotations
+
+import asyncio
+import json
+import time
+from datetime import datetime
+
+import aiohttp
+import numpy as np
+
+from serving.bench.datasets import BenchRequest, build_requests, load_tokenizer
+from serving.bench.metrics import RequestResult, compute_metrics, format_table, parse_goodput
+
+CHAT_ENDPOINT = "/v1/chat/completions"
+TIMEOUT = aiohttp.ClientTimeout(total=6 * 3600)
+
+
+def build_payload(request: BenchRequest, *, model: str | None, chat: bool,
+                  ignore_eos: bool) -> dict:
+    payload = {"temperature": 0.0, "stream": True, "stream_options": {"include_usage": True}}
+    if model:
+        payload["model"] = model
+    if ignore_eos:
+        payload["ignore_eos"] = True
+    if chat:
+        messages = request.messages or (
+            ([{"role": "system", "content": request.system}] if request.system else [])
+            + [{"role": "user", "content": request.prompt}])
+        payload.update(messages=messages, max_completion_tokens=request.output_len)
+    else:
+        text = request.prompt if request.prompt is not None else " ".join(
+            str(m.get("content", "")) for m in request.messages)
+        payload.update(prompt=(request.system or "") + text, max_tokens=request.output_len)
+    return payload
+
+
+def _chunk_text(choice: dict, chat: bool) -> str:
+    if not chat:
+        return choice.get("text") or ""
+    delta = choice.get("delta") or {}
+    return (delta.get("content") or "") + (delta.get("reasoning_content") or "")
+
+
+async def _read_stream(response, result: RequestResult, started: float, chat: bool) -> int:
+    """Fills ttft/itl/latency/text/usage from the SSE stream; returns the chunk count."""
+    num_chunks, last = 0, started
+    async for raw in response.content:
+        line = raw.decode("utf-8", "replace").strip()
+        if not line.startswith("data:"):
+            continue  # blank separators and ": keep-alive" comments
+        data = line[len("data:"):].strip()
+        if data == "[DONE]":
+            break
+        chunk = json.loads(data)
+        if chunk.get("error"):
+            raise RuntimeError(f"error in stream: {chunk['error']}")
+        if choices := chunk.get("choices"):
+            now = time.perf_counter()
+            if num_chunks == 0:
+                result.ttft = now - started
+            else:
+                result.itl.append(now - last)
+            last = now
+            num_chunks += 1
+            result.generated_text += _chunk_text(choices[0], chat)
+        if usage := chunk.get("usage"):
+            result.output_tokens = usage.get("completion_tokens") or 0
+            result.prompt_len = usage.get("prompt_tokens") or result.prompt_len
+    result.latency = last - started
+    return num_chunks
+
+
+async def send_request(session: aiohttp.ClientSession, url: str, payload: dict,
+                       request: BenchRequest, chat: bool, tokenizer=None) -> RequestResult:
+    result = RequestResult(prompt_len=request.prompt_len)
+    started = time.perf_counter()
+    try:
+        async with session.post(url, json=payload) as response:
+            if response.status != 200:
+                body = (await response.text())[:300]
+                result.error = f"HTTP {response.status}: {body}"
+                return result
+            num_chunks = await _read_stream(response, result, started, chat)
+    except (aiohttp.ClientError, asyncio.TimeoutError, ValueError, RuntimeError) as e:
+        result.error = f"{type(e).__name__}: {e}"
+        return result
+    if num_chunks == 0:
+        result.error = "the stream ended without a chunk to time TTFT by"
+        return result
+    if not result.output_tokens:  # a server without usage: count tokens ourselves
+        result.output_tokens = (len(tokenizer.encode(result.generated_text)) if tokenizer
+                                else num_chunks)
+    result.success = True
+    return result
+
+
+async def arrivals(requests: list[BenchRequest], rate: float, burstiness: float,
+                   rng: np.random.Generator):
+    """Yields requests spaced by gamma(shape=burstiness, mean=1/rate) gaps (Poisson at 1)."""
+    for i, request in enumerate(requests):
+        yield request
+        if rate != float("inf") and i < len(requests) - 1:
+            await asyncio.sleep(rng.gamma(shape=burstiness, scale=1.0 / (rate * burstiness)))
+
+
+async def run_benchmark(requests: list[BenchRequest], *, base_url: str, endpoint: str,
+                        model: str | None, request_rate: float, burstiness: float,
+                        max_concurrency: int | None, seed: int, ignore_eos: bool,
+                        tokenizer=None, warmup: bool = True
+                        ) -> tuple[list[RequestResult], float]:
+    url = base_url.rstrip("/") + endpoint
+    chat = endpoint == CHAT_ENDPOINT
+    limit = asyncio.Semaphore(max_concurrency) if max_concurrency else None
+    connector = aiohttp.TCPConnector(limit=0, force_close=False)
+    async with aiohttp.ClientSession(timeout=TIMEOUT, connector=connector) as session:
+        async def one(request: BenchRequest) -> RequestResult:
+            payload = build_payload(request, model=model, chat=chat, ignore_eos=ignore_eos)
+            if limit is None:
+                return await send_request(session, url, payload, request, chat, tokenizer)
+            async with limit:
+                return await send_request(session, url, payload, request, chat, tokenizer)
+
+        if warmup:  # fail fast on a wrong URL or model name, before timing anything
+            probe = await one(requests[0])
+            if not probe.success:
+                raise RuntimeError(f"test request to {url} failed: {probe.error}")
+        started = time.perf_counter()
+        tasks = [asyncio.create_task(one(r)) async for r in
+                 arrivals(requests, request_rate, burstiness, np.random.default_rng(seed))]
+        results = await asyncio.gather(*tasks)
+        return list(results), time.perf_counter() - started
+
+
+def _percentiles(text: str) -> list[float]:
+    values = [float(p) for p in text.split(",") if p.strip()]
+    if not all(0 < p < 100 for p in values):
+        raise ValueError(f"--metric-percentiles must be in (0, 100), got {text!r}")
+    return values
+
+
+def _validate(args) -> None:
+    if args.num_prompts < 1:
+        raise ValueError(f"--num-prompts must be >= 1, got {args.num_prompts}")
+    if args.request_rate <= 0:
+        raise ValueError(f"--request-rate must be > 0 or inf, got {args.request_rate}")
+    if args.burstiness <= 0:
+        raise ValueError(f"--burstiness must be > 0, got {args.burstiness}")
+    if args.max_concurrency is not None and args.max_concurrency < 1:
+        raise ValueError(f"--max-concurrency must be >= 1, got {args.max_concurrency}")
+
+
+def bench_serve(args) -> dict:
+    """Runs the benchmark `args` describe; prints the table, returns (and saves) the JSON."""
+    _validate(args)
+    slos = parse_goodput(args.goodput)
+    percentiles = _percentiles(args.metric_percentiles)
+    tokenizer = load_tokenizer(args.tokenizer)
+    requests = build_requests(args, tokenizer)
+    results, duration = asyncio.run(run_benchmark(
+        requests, base_url=args.base_url, endpoint=args.endpoint, model=args.model,
+        request_rate=args.request_rate, burstiness=args.burstiness,
+        max_concurrency=args.max_concurrency, seed=args.seed, ignore_eos=args.ignore_eos,
+        tokenizer=tokenizer, warmup=not args.no_warmup))
+    report = compute_metrics(results, duration, percentiles=percentiles, slos_ms=slos)
+    print(format_table(report, percentiles))
+    report = {"date": datetime.now().strftime("%Y%m%d-%H%M%S"), "base_url": args.base_url,
+              "endpoint": args.endpoint, "model_id": args.model, "dataset": args.dataset,
+              "num_prompts": len(requests), "request_rate": str(args.request_rate),
+              "burstiness": args.burstiness, "max_concurrency": args.max_concurrency,
+              "goodput_slos_ms": slos or None, **report,
+              "errors": [r.error for r in results if not r.success][:20]}
+    if args.save_detailed:
+        report.update(input_lens=[r.prompt_len for r in results],
+                      output_lens=[r.output_tokens for r in results],
+                      ttfts=[r.ttft for r in results], itls=[r.itl for r in results],
+                      e2els=[r.latency for r in results])
+    if args.result_json:
+        with open(args.result_json, "w") as f:
+            json.dump(report, f, indent=2)
+    return report
