@@ -1,0 +1,165 @@
+"""Engine outputs -> OpenAI completion / chat responses and SSE chunks for one API call."""
+
+from __future__ import annotations
+
+import asyncio
+import dataclasses
+import json
+import time
+from collections.abc import AsyncIterator
+
+from serving import openai_protocol as proto
+from serving.metrics import Metrics
+from serving.request import CompletionOutput, RequestOutput, SamplingParams
+
+
+def sse(payload: dict) -> bytes:
+    return b"data: " + json.dumps(payload, ensure_ascii=False).encode() + b"\n\n"
+
+
+async def merge(gens: list) -> AsyncIterator[tuple[int, RequestOutput]]:
+    """(prompt index, output) from several AsyncLLM streams as they arrive. Closing or
+    cancelling the merged stream closes every input stream, which aborts its request."""
+    if len(gens) == 1:
+        try:
+            async for output in gens[0]:
+                yield 0, output
+        finally:
+            await gens[0].aclose()
+        return
+    queue: asyncio.Queue = asyncio.Queue()
+
+    async def pump(index: int, gen) -> None:
+        try:
+            async for output in gen:
+                queue.put_nowait((index, output))
+            queue.put_nowait((index, None))
+        except Exception as exc:
+            queue.put_nowait((index, exc))
+
+    tasks = [asyncio.create_task(pump(i, g)) for i, g in enumerate(gens)]
+    try:
+        remaining = len(tasks)
+        while remaining:
+            index, item = await queue.get()
+            if item is None:
+                remaining -= 1
+            elif isinstance(item, Exception):
+                raise item
+            else:
+                yield index, item
+    finally:
+        for task in tasks:
+            task.cancel()
+        await asyncio.gather(*tasks, return_exceptions=True)
+
+
+@dataclasses.dataclass(eq=False)
+class Job:
+    """One /v1/completions or /v1/chat/completions call: its prompts, the latest output of
+    each, and what of each choice has been streamed."""
+
+    kind: str  # "cmpl" or "chatcmpl"
+    request_id: str
+    model: str
+    req: proto.ParsedRequest
+    prompts: list[list[int]]
+    params: list[SamplingParams]
+    metrics: Metrics
+
+    def __post_init__(self) -> None:
+        self.created = int(time.time())
+        self.n = self.req.sampling["n"]
+        self.latest: list[RequestOutput | None] = [None] * len(self.prompts)
+        self.trackers = [self.metrics.tracker() for _ in self.prompts]
+        self.deltas: dict[int, proto.DeltaTracker] = {}
+
+    @property
+    def chat(self) -> bool:
+        return self.kind == "chatcmpl"
+
+    def add(self, index: int, output: RequestOutput) -> None:
+        self.trackers[index].observe(output)
+        self.latest[index] = output
+
+    # ---- whole responses ---------------------------------------------------------------
+    def _completions(self):
+        for p, output in enumerate(self.latest):
+            for c in output.outputs if output is not None else ():
+                yield p * self.n + c.index, c
+
+    def usage(self) -> dict:
+        return proto.usage(sum(map(len, self.prompts)),
+                           sum(len(c.token_ids) for _, c in self._completions()))
+
+    def response(self) -> dict:
+        choices = [self._choice(i, c, c.text, 0, len(c.token_ids), c.finish_reason)
+                   for i, c in sorted(self._completions(), key=lambda item: item[0])]
+        return {"id": self.request_id,
+                "object": "chat.completion" if self.chat else "text_completion",
+                "created": self.created, "model": self.model, "choices": choices,
+                "usage": self.usage()}
+
+    def log_fields(self) -> dict:
+        reasons = sorted({str(c.finish_reason) for _, c in self._completions()})
+        return {"completion_tokens": self.usage()["completion_tokens"],
+                "finish": ",".join(reasons)}
+
+    def _logprobs(self, c: CompletionOutput, start: int, stop: int, text_offset: int):
+        if self.req.logprobs is None or c.logprobs is None:
+            return None
+        ids, entries = c.token_ids[start:stop], c.logprobs[start:stop]
+        if self.chat:
+            return proto.chat_logprobs(ids, entries, self.req.logprobs)
+        return proto.completion_logprobs(ids, entries, self.req.logprobs, text_offset)
+
+    def _choice(self, index: int, c: CompletionOutput, text: str, start: int, stop: int,
+                finish_reason: str | None, *, delta: dict | None = None,
+                text_offset: int = 0) -> dict:
+        choice = {"index": index}
+        if delta is not None:
+            choice["delta"] = delta
+        elif self.chat:
+            choice["message"] = {"role": "assistant", "content": text}
+        else:
+            choice["text"] = text
+        choice["logprobs"] = self._logprobs(c, start, stop, text_offset)
+        choice["finish_reason"] = finish_reason
+        choice["stop_reason"] = c.stop_reason if finish_reason else None
+        return choice
+
+    # ---- streaming ---------------------------------------------------------------------
+    def _chunk(self, choices: list[dict]) -> dict:
+        chunk = {"id": self.request_id,
+                 "object": "chat.completion.chunk" if self.chat else "text_completion",
+                 "created": self.created, "model": self.model, "choices": choices}
+        if self.req.include_usage:
+            chunk["usage"] = None
+        return chunk
+
+    def chunks(self, p: int, output: RequestOutput) -> list[dict]:
+        """SSE payloads for what `output` adds to prompt p's choices."""
+        self.add(p, output)
+        params = self.params[p]
+        out = []
+        for c in output.outputs:
+            index = p * self.n + c.index
+            tracker = self.deltas.get(index)
+            if tracker is None:
+                tracker = self.deltas[index] = proto.DeltaTracker(
+                    list(params.stop), params.include_stop_str_in_output)
+            num_chars, first = tracker.num_chars, tracker.num_tokens == 0 and not tracker.done
+            advanced = tracker.advance(c)
+            if advanced is None:
+                continue
+            text, start, stop = advanced
+            finish = c.finish_reason if tracker.done else None
+            delta = None
+            if self.chat:
+                delta = {"role": "assistant", "content": text} if first else {"content": text}
+            out.append(self._chunk([self._choice(index, c, text, start, stop, finish,
+                                                 delta=delta, text_offset=num_chars)]))
+        return out
+
+    def usage_chunk(self) -> dict:
+        return {**self._chunk([]), "usage": self.usage()}

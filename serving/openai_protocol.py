@@ -1,0 +1,408 @@
+"""OpenAI / vLLM request parsing and response building for the HTTP server. No aiohttp here.
+
+Parsing checks every known field's type and range and raises `APIError` (400) naming the
+field and its limit. Unknown top-level fields are accepted and ignored (the caller logs
+them), as OpenAI does.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import json
+import math
+from typing import Any
+
+from serving.request import MAX_LOGPROBS, MAX_N, CompletionOutput, SamplingParams
+
+INT32_MAX = 2**31 - 1
+INT64_MIN, INT64_MAX = -2**63, 2**63 - 1
+MAX_TEMPERATURE = 100.0
+MAX_REPETITION_PENALTY = 100.0
+MAX_STOP_STRINGS = 16
+MAX_STOP_TOKEN_IDS = 256
+MAX_BATCH_PROMPTS = 64
+LOGPROB_FLOOR = -9999.0  # JSON has no -inf; vLLM clamps the same way
+ERROR_TYPES = {400: "BadRequestError", 401: "AuthenticationError", 404: "NotFoundError",
+               405: "MethodNotAllowedError", 413: "RequestEntityTooLargeError",
+               429: "RateLimitError", 500: "InternalServerError",
+               503: "ServiceUnavailableError"}
+
+_SAMPLING_FIELDS = {
+    "temperature", "top_p", "top_k", "min_p", "presence_penalty", "frequency_penalty",
+    "repetition_penalty", "seed", "stop", "stop_token_ids", "ignore_eos", "min_tokens",
+    "skip_special_tokens", "include_stop_str_in_output", "n", "max_tokens"}
+_COMMON_FIELDS = _SAMPLING_FIELDS | {
+    "model", "stream", "stream_options", "priority", "user", "logprobs", "best_of",
+    "logit_bias", "metadata", "store", "service_tier"}
+COMPLETION_FIELDS = _COMMON_FIELDS | {"prompt", "echo", "suffix"}
+CHAT_FIELDS = _COMMON_FIELDS | {
+    "messages", "top_logprobs", "max_completion_tokens", "chat_template_kwargs",
+    "add_generation_prompt", "tools", "tool_choice", "parallel_tool_calls", "response_format"}
+
+
+class APIError(Exception):
+    """An error a client caused (or an overload): becomes OpenAI's error JSON."""
+
+    def __init__(self, status: int, message: str, *, param: str | None = None,
+                 headers: dict[str, str] | None = None):
+        super().__init__(message)
+        self.status, self.message, self.param = status, message, param
+        self.headers = headers or {}
+
+    def body(self) -> dict:
+        return error_body(self.status, self.message, self.param)
+
+
+def error_body(status: int, message: str, param: str | None = None) -> dict:
+    return {"error": {"message": message, "type": ERROR_TYPES.get(status, "Error"),
+                      "param": param, "code": status}}
+
+
+def bad(param: str, message: str) -> APIError:
+    return APIError(400, message, param=param)
+
+
+def describe(value: Any) -> str:
+    """A short rendering of a client value for error messages (never the whole body)."""
+    text = repr(value)
+    return text if len(text) <= 40 else f"{text[:37]}..."
+
+
+def _reject_constant(name: str):
+    raise ValueError(f"{name} is not valid JSON")
+
+
+def parse_json(data: bytes) -> dict:
+    """Request body bytes -> a JSON object, or APIError(400)."""
+    try:
+        text = data.decode("utf-8")
+    except UnicodeDecodeError as exc:
+        raise bad("body", f"request body is not valid UTF-8: {exc}") from None
+    try:
+        body = json.loads(text, parse_constant=_reject_constant)
+    except RecursionError:
+        raise bad("body", "request body is nested too deeply") from None
+    except ValueError as exc:
+        raise bad("body", f"request body is not valid JSON: {exc}") from None
+    if not isinstance(body, dict):
+        raise bad("body", f"request body must be a JSON object, got {type(body).__name__}")
+    return body
+
+
+# ---- field readers ---------------------------------------------------------------------
+def _is_int(v: Any) -> bool:
+    return isinstance(v, int) and not isinstance(v, bool)
+
+
+def read_int(body: dict, name: str, default, low: int, high: int):
+    value = body.get(name)
+    if value is None:
+        return default
+    if not _is_int(value):
+        raise bad(name, f"{name} must be an integer, got {describe(value)}")
+    if not low <= value <= high:
+        raise bad(name, f"{name} must be in [{low}, {high}], got {value}")
+    return value
+
+
+def read_float(body: dict, name: str, default, low: float, high: float, *,
+               low_open: bool = False):
+    value = body.get(name)
+    if value is None:
+        return default
+    if not (_is_int(value) or (isinstance(value, float) and math.isfinite(value))):
+        raise bad(name, f"{name} must be a number, got {describe(value)}")
+    ok = (low < value if low_open else low <= value) and value <= high
+    if not ok:
+        bracket = "(" if low_open else "["
+        raise bad(name, f"{name} must be in {bracket}{low}, {high}], got {describe(value)}")
+    return float(value)
+
+
+def read_bool(body: dict, name: str, default: bool) -> bool:
+    value = body.get(name)
+    if value is None:
+        return default
+    if not isinstance(value, bool):
+        raise bad(name, f"{name} must be a boolean, got {describe(value)}")
+    return value
+
+
+def read_str(body: dict, name: str, default: str | None) -> str | None:
+    value = body.get(name)
+    if value is None:
+        return default
+    if not isinstance(value, str):
+        raise bad(name, f"{name} must be a string, got {describe(value)}")
+    return value
+
+
+def read_dict(body: dict, name: str) -> dict:
+    value = body.get(name)
+    if value is None:
+        return {}
+    if not isinstance(value, dict):
+        raise bad(name, f"{name} must be an object, got {describe(value)}")
+    return value
+
+
+def _read_stop(body: dict) -> list[str]:
+    stop = body.get("stop")
+    if stop is None:
+        return []
+    stops = [stop] if isinstance(stop, str) else stop
+    if not isinstance(stops, list) or not all(isinstance(s, str) and s for s in stops):
+        raise bad("stop", f"stop must be a non-empty string or a list of them, got "
+                          f"{describe(stop)}")
+    if len(stops) > MAX_STOP_STRINGS:
+        raise bad("stop", f"stop has {len(stops)} strings; at most {MAX_STOP_STRINGS}")
+    return stops
+
+
+def read_token_ids(value: Any, name: str, vocab_size: int, max_len: int) -> list[int]:
+    if not isinstance(value, list):
+        raise bad(name, f"{name} must be a list of token ids, got {describe(value)}")
+    if len(value) > max_len:
+        raise bad(name, f"{name} has {len(value)} ids; at most {max_len}")
+    for i, t in enumerate(value):
+        if not _is_int(t) or not 0 <= t < vocab_size:
+            raise bad(name, f"{name}[{i}] = {describe(t)} is not a token id in "
+                            f"[0, {vocab_size})")
+    return value
+
+
+@dataclasses.dataclass
+class ParsedRequest:
+    """What a route needs after validation; `sampling` lacks max_tokens until the prompt
+    length is known (see `sampling_params`)."""
+
+    model: str | None
+    stream: bool
+    include_usage: bool
+    priority: int
+    sampling: dict
+    max_tokens: int | None  # None: fill the context (chat) or the completions default
+    default_max_tokens: int | None
+    logprobs: int | None  # top-k logprobs per token; None: off
+    prompts: list = dataclasses.field(default_factory=list)  # completions: str | list[int]
+    messages: list | None = None
+    template_kwargs: dict = dataclasses.field(default_factory=dict)
+    tools: list | None = None
+    unknown_fields: list[str] = dataclasses.field(default_factory=list)
+
+
+def _read_sampling(body: dict, vocab_size: int) -> dict:
+    top_k = read_int(body, "top_k", -1, -1, INT32_MAX)
+    return dict(
+        n=read_int(body, "n", 1, 1, MAX_N),
+        temperature=read_float(body, "temperature", 1.0, 0.0, MAX_TEMPERATURE),
+        top_p=read_float(body, "top_p", 1.0, 0.0, 1.0, low_open=True),
+        top_k=0 if top_k >= vocab_size else top_k,  # a top_k past the vocab keeps everything
+        min_p=read_float(body, "min_p", 0.0, 0.0, 1.0),
+        presence_penalty=read_float(body, "presence_penalty", 0.0, -2.0, 2.0),
+        frequency_penalty=read_float(body, "frequency_penalty", 0.0, -2.0, 2.0),
+        repetition_penalty=read_float(body, "repetition_penalty", 1.0, 0.0,
+                                      MAX_REPETITION_PENALTY, low_open=True),
+        seed=read_int(body, "seed", None, INT64_MIN, INT64_MAX),
+        stop=_read_stop(body),
+        stop_token_ids=read_token_ids(body.get("stop_token_ids") or [], "stop_token_ids",
+                                      vocab_size, MAX_STOP_TOKEN_IDS),
+        ignore_eos=read_bool(body, "ignore_eos", False),
+        min_tokens=read_int(body, "min_tokens", 0, 0, INT32_MAX),
+        skip_special_tokens=read_bool(body, "skip_special_tokens", True),
+        include_stop_str_in_output=read_bool(body, "include_stop_str_in_output", False))
+
+
+def _reject_unsupported(body: dict, n: int) -> None:
+    if read_bool(body, "echo", False):
+        raise bad("echo", "echo=true is not supported")
+    if body.get("suffix") is not None:
+        raise bad("suffix", "suffix is not supported")
+    if body.get("logit_bias"):
+        raise bad("logit_bias", "logit_bias is not supported")
+    best_of = read_int(body, "best_of", n, 1, MAX_N)
+    if best_of != n:
+        raise bad("best_of", f"best_of must equal n={n} (beam search is not supported), "
+                             f"got {best_of}")
+
+
+def _read_common(body: dict, known: set[str], vocab_size: int) -> ParsedRequest:
+    sampling = _read_sampling(body, vocab_size)
+    _reject_unsupported(body, sampling["n"])
+    stream = read_bool(body, "stream", False)
+    options = read_dict(body, "stream_options")
+    if body.get("stream_options") is not None and not stream:
+        raise bad("stream_options", "stream_options is only allowed when stream=true")
+    return ParsedRequest(
+        model=read_str(body, "model", None), stream=stream,
+        include_usage=read_bool(options, "include_usage", False),
+        priority=read_int(body, "priority", 0, -INT32_MAX - 1, INT32_MAX),
+        sampling=sampling, max_tokens=None, default_max_tokens=None, logprobs=None,
+        unknown_fields=sorted(k for k in body if k not in known))
+
+
+def parse_completion(body: dict, vocab_size: int) -> ParsedRequest:
+    req = _read_common(body, COMPLETION_FIELDS, vocab_size)
+    read_str(body, "user", None)
+    req.max_tokens = read_int(body, "max_tokens", None, 1, INT32_MAX)
+    req.default_max_tokens = 16  # OpenAI's completions default
+    req.logprobs = read_int(body, "logprobs", None, 0, MAX_LOGPROBS)
+    req.prompts = _read_prompts(body.get("prompt"), vocab_size)
+    return req
+
+
+def _read_prompts(prompt: Any, vocab_size: int) -> list:
+    """str | list[int] | list[str] | list[list[int]] -> a list of prompts (a batch)."""
+    if prompt is None:
+        raise bad("prompt", "prompt is required")
+    if isinstance(prompt, str):
+        return [prompt]
+    if not isinstance(prompt, list) or not prompt:
+        raise bad("prompt", f"prompt must be a string, a list of token ids, or a non-empty "
+                            f"list of either, got {describe(prompt)}")
+    if all(_is_int(t) for t in prompt):
+        return [read_token_ids(prompt, "prompt", vocab_size, 10**7)]
+    if len(prompt) > MAX_BATCH_PROMPTS:
+        raise bad("prompt", f"prompt batch has {len(prompt)} prompts; at most "
+                            f"{MAX_BATCH_PROMPTS}")
+    batch = []
+    for i, p in enumerate(prompt):
+        if isinstance(p, str):
+            batch.append(p)
+        elif isinstance(p, list) and p:
+            batch.append(read_token_ids(p, f"prompt[{i}]", vocab_size, 10**7))
+        else:
+            raise bad("prompt", f"prompt[{i}] must be a string or a non-empty list of token "
+                                f"ids, got {describe(p)}")
+    return batch
+
+
+def parse_chat(body: dict, vocab_size: int) -> ParsedRequest:
+    req = _read_common(body, CHAT_FIELDS, vocab_size)
+    read_str(body, "user", None)
+    max_tokens = read_int(body, "max_completion_tokens", None, 1, INT32_MAX)
+    req.max_tokens = read_int(body, "max_tokens", max_tokens, 1, INT32_MAX)
+    if read_bool(body, "logprobs", False):
+        req.logprobs = read_int(body, "top_logprobs", 0, 0, MAX_LOGPROBS)
+    elif body.get("top_logprobs") is not None:
+        read_int(body, "top_logprobs", 0, 0, MAX_LOGPROBS)
+        raise bad("top_logprobs", "top_logprobs requires logprobs=true")
+    messages = body.get("messages")
+    if not isinstance(messages, list) or not messages:
+        raise bad("messages", f"messages must be a non-empty list, got {describe(messages)}")
+    req.messages = messages
+    req.template_kwargs = dict(read_dict(body, "chat_template_kwargs"))
+    for reserved in ("messages", "tools", "add_generation_prompt", "tokenize"):
+        if reserved in req.template_kwargs:
+            raise bad("chat_template_kwargs", f"chat_template_kwargs may not set {reserved!r}")
+    req.template_kwargs["add_generation_prompt"] = read_bool(body, "add_generation_prompt", True)
+    tools = body.get("tools")
+    if tools is not None and not (isinstance(tools, list)
+                                  and all(isinstance(t, dict) for t in tools)):
+        raise bad("tools", f"tools must be a list of objects, got {describe(tools)}")
+    req.tools = tools or None
+    response_format = read_dict(body, "response_format")
+    if response_format and response_format.get("type") != "text":
+        raise bad("response_format", "only response_format {\"type\": \"text\"} is supported")
+    return req
+
+
+def sampling_params(req: ParsedRequest, num_prompt_tokens: int, max_model_len: int,
+                    prompt_param: str) -> SamplingParams:
+    """The request's SamplingParams once its prompt length is known (context checks)."""
+    room = max_model_len - num_prompt_tokens
+    if room < 1:
+        raise bad(prompt_param, f"the prompt has {num_prompt_tokens} tokens; max_model_len="
+                                f"{max_model_len} allows at most {max_model_len - 1} "
+                                "(at least one token must be generated)")
+    if req.max_tokens is not None and req.max_tokens > room:
+        raise bad("max_tokens", f"max_tokens={req.max_tokens} plus the prompt's "
+                                f"{num_prompt_tokens} tokens exceeds max_model_len="
+                                f"{max_model_len}; at most {room}")
+    max_tokens = req.max_tokens or min(req.default_max_tokens or room, room)
+    try:
+        return SamplingParams(**req.sampling, max_tokens=max_tokens, logprobs=req.logprobs)
+    except ValueError as exc:
+        raise bad(str(exc).split()[0], str(exc)) from None
+
+
+# ---- responses -------------------------------------------------------------------------
+def _clamp(logprob: float) -> float:
+    return LOGPROB_FLOOR if math.isnan(logprob) else max(logprob, LOGPROB_FLOOR)
+
+
+def _ranked(entry: dict, k: int) -> list:
+    return sorted((lp for lp in entry.values() if lp.rank is not None and lp.rank <= k),
+                  key=lambda lp: lp.rank)[:k]
+
+
+def completion_logprobs(token_ids: list[int], entries: list[dict], k: int,
+                        text_offset: int = 0) -> dict:
+    """OpenAI completions `logprobs` (tokens, token_logprobs, top_logprobs, text_offset)."""
+    out = {"tokens": [], "token_logprobs": [], "top_logprobs": [], "text_offset": []}
+    for token_id, entry in zip(token_ids, entries):
+        sampled = entry[token_id]
+        token = sampled.decoded_token or ""
+        top = {lp.decoded_token or "": _clamp(lp.logprob) for lp in _ranked(entry, k)}
+        top.setdefault(token, _clamp(sampled.logprob))
+        out["tokens"].append(token)
+        out["token_logprobs"].append(_clamp(sampled.logprob))
+        out["top_logprobs"].append(top)
+        out["text_offset"].append(text_offset)
+        text_offset += len(token)
+    return out
+
+
+def _chat_token(lp) -> dict:
+    token = lp.decoded_token or ""
+    return {"token": token, "logprob": _clamp(lp.logprob), "bytes": list(token.encode())}
+
+
+def chat_logprobs(token_ids: list[int], entries: list[dict], k: int) -> dict:
+    """OpenAI chat `logprobs`: {"content": [{token, logprob, bytes, top_logprobs}]}."""
+    return {"content": [{**_chat_token(entry[t]),
+                         "top_logprobs": [_chat_token(lp) for lp in _ranked(entry, k)]}
+                        for t, entry in zip(token_ids, entries)]}
+
+
+def usage(num_prompt_tokens: int, num_completion_tokens: int) -> dict:
+    return {"prompt_tokens": num_prompt_tokens, "completion_tokens": num_completion_tokens,
+            "total_tokens": num_prompt_tokens + num_completion_tokens}
+
+
+class DeltaTracker:
+    """What of one choice's cumulative output has not been streamed yet.
+
+    The engine's cumulative text may end in a prefix of a stop string that a later token
+    cuts off again, so that tail is held back until the choice finishes.
+    """
+
+    def __init__(self, stops: list[str], include_stop: bool):
+        self.stops = [] if include_stop else stops
+        self.num_chars = 0
+        self.num_tokens = 0
+        self.done = False
+
+    def _stable_len(self, text: str, finished: bool) -> int:
+        if finished:
+            return len(text)
+        held = 0
+        for stop in self.stops:
+            for k in range(min(len(stop) - 1, len(text)), held, -1):
+                if text.endswith(stop[:k]):
+                    held = k
+                    break
+        return len(text) - held
+
+    def advance(self, completion: CompletionOutput) -> tuple[str, int, int] | None:
+        """(new text, first new token index, end token index), or None if nothing new."""
+        if self.done:
+            return None
+        finished = completion.finish_reason is not None
+        end = max(self._stable_len(completion.text, finished), self.num_chars)
+        text = completion.text[self.num_chars:end]
+        start, stop = self.num_tokens, len(completion.token_ids)
+        if not text and start == stop and not finished:
+            return None
+        self.num_chars, self.num_tokens, self.done = end, stop, finished
+        return text, start, stop

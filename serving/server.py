@@ -1,0 +1,322 @@
+"""OpenAI-compatible HTTP routes (aiohttp) over `AsyncLLM`.
+
+Parsing and response shapes live in `openai_protocol`; generation lives in the engine. A
+client that disconnects cancels its handler (`handler_cancellation=True`), which closes
+the request's streams and so aborts it in the engine at once.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import dataclasses
+import hmac
+import logging
+import time
+import uuid
+from pathlib import Path
+
+from aiohttp import web
+
+from serving import openai_protocol as proto
+from serving.metrics import CONTENT_TYPE, Metrics
+from serving.openai_protocol import APIError
+from serving.openai_outputs import Job, merge, sse
+from serving.scheduler import QueueFullError
+
+logger = logging.getLogger("qwen_jax.server")
+STATE = web.AppKey("state", object)
+LOG = web.RequestKey("log", dict)
+
+
+@dataclasses.dataclass(frozen=True, kw_only=True)
+class ServerConfig:
+    host: str = "127.0.0.1"
+    port: int = 8000
+    api_key: str | None = None
+    served_model_name: str | None = None
+    max_request_body_mb: float = 8.0
+    shutdown_timeout: float = 30.0  # seconds in-flight requests get to finish on SIGTERM
+    log_interval: float = 10.0  # seconds between throughput lines; 0 disables
+    retry_after: int = 1  # seconds, sent with 503 when the waiting queue is full
+
+    def __post_init__(self) -> None:
+        if not 0 <= self.port <= 65535:
+            raise ValueError(f"port must be in [0, 65535], got {self.port}")
+        if self.max_request_body_mb <= 0:
+            raise ValueError(f"max_request_body_mb must be > 0, got {self.max_request_body_mb}")
+        if self.shutdown_timeout < 0:
+            raise ValueError(f"shutdown_timeout must be >= 0, got {self.shutdown_timeout}")
+
+
+def json_error(status: int, message: str, param: str | None = None,
+               headers: dict | None = None) -> web.Response:
+    return web.json_response(proto.error_body(status, message, param), status=status,
+                             headers=headers)
+
+
+class OpenAIServer:
+    def __init__(self, llm, config: ServerConfig):
+        self.llm, self.config = llm, config
+        engine = llm.engine
+        self.model_name = (config.served_model_name or engine.config.model
+                           or Path(engine.model_path).name)
+        self.max_model_len = engine.max_model_len
+        self.vocab_size = engine.model_config.vocab_size
+        self.tokenizer = llm.tokenizer
+        self.max_body = int(config.max_request_body_mb * 2**20)
+        self.metrics = Metrics(llm, self.model_name)
+        self.draining = False
+        self.created = int(time.time())
+
+    # ---- plumbing ----------------------------------------------------------------------
+    @web.middleware
+    async def middleware(self, request: web.Request, handler):
+        started = time.perf_counter()
+        request[LOG] = {}
+        try:
+            response = await self._guarded(request, handler)
+        except APIError as exc:
+            response = json_error(exc.status, exc.message, exc.param, exc.headers)
+        except web.HTTPException as exc:  # unknown route, wrong method, body too large
+            message = (f"route {request.method} {request.path} not found" if exc.status == 404
+                       else exc.reason)
+            allow = {k: v for k, v in exc.headers.items() if k == "Allow"}
+            response = json_error(exc.status, message, headers=allow)
+        except (asyncio.CancelledError, ConnectionError):
+            request[LOG]["status"] = "disconnected"
+            self._log_request(request, started)
+            raise
+        except Exception:
+            logger.exception("internal error on %s %s", request.method, request.path)
+            response = json_error(500, "internal server error")
+        request[LOG].setdefault("status", response.status)
+        self._log_request(request, started)
+        return response
+
+    async def _guarded(self, request: web.Request, handler):
+        path = request.path
+        if self.config.api_key and path.startswith(("/v1", "/tokenize", "/detokenize")):
+            self._check_api_key(request)
+        if self.draining and path not in ("/health", "/metrics"):
+            raise APIError(503, "server is shutting down",
+                           headers={"Retry-After": str(self.config.retry_after)})
+        if request.content_length is not None and request.content_length > self.max_body:
+            raise APIError(413, f"request body has {request.content_length} bytes; at most "
+                                f"{self.max_body} (--max-request-body-mb)", param="body")
+        return await handler(request)
+
+    def _check_api_key(self, request: web.Request) -> None:
+        header = request.headers.get("Authorization", "")
+        token = header[7:] if header.lower().startswith("bearer ") else ""
+        if not hmac.compare_digest(token.encode(), self.config.api_key.encode()):
+            raise APIError(401, "missing or invalid API key (Authorization: Bearer <key>)")
+
+    def _log_request(self, request: web.Request, started: float) -> None:
+        info = request[LOG]
+        extra = " ".join(f"{k}={v}" for k, v in info.items() if k != "status")
+        logger.info("%s %s %s %.3fs %s", request.method, request.path,
+                    info.get("status", "?"), time.perf_counter() - started, extra)
+
+    async def _json(self, request: web.Request) -> dict:
+        try:
+            data = await request.read()
+        except web.HTTPRequestEntityTooLarge:
+            raise APIError(413, f"request body is larger than {self.max_body} bytes "
+                                "(--max-request-body-mb)", param="body") from None
+        return proto.parse_json(data)
+
+    def _check_model(self, model: str | None) -> None:
+        if model is not None and model != self.model_name:
+            raise APIError(404, f"The model `{model}` does not exist.", param="model")
+
+    def _need_tokenizer(self):
+        if self.tokenizer is None:
+            raise APIError(400, "this model has no tokenizer files: send token ids")
+        return self.tokenizer
+
+    async def _encode(self, text: str, add_special_tokens: bool = False) -> list[int]:
+        tokenizer = self._need_tokenizer()
+        loop = asyncio.get_running_loop()
+        return await loop.run_in_executor(None, tokenizer.encode, text, add_special_tokens)
+
+    async def _render_chat(self, messages, tools, kwargs) -> list[int]:
+        tokenizer = self._need_tokenizer()
+
+        def render():
+            return tokenizer.apply_chat_template(messages, tokenize=True, tools=tools, **kwargs)
+        try:
+            return await asyncio.get_running_loop().run_in_executor(None, render)
+        except (ValueError, TypeError, RecursionError) as exc:
+            raise APIError(400, f"messages: {exc}", param="messages") from None
+        except Exception as exc:  # jinja2 errors from the checkpoint's template
+            raise APIError(400, f"chat template failed on these messages: {exc}",
+                           param="messages") from None
+
+    def _note_unknown(self, request: web.Request, req: proto.ParsedRequest) -> None:
+        if req.unknown_fields:
+            logger.warning("%s: ignoring unknown fields %s", request.path,
+                           ", ".join(map(repr, req.unknown_fields[:20])))
+
+    # ---- generation routes -------------------------------------------------------------
+    async def completions(self, request: web.Request) -> web.StreamResponse:
+        req = proto.parse_completion(await self._json(request), self.vocab_size)
+        self._check_model(req.model)
+        self._note_unknown(request, req)
+        prompts = [p if isinstance(p, list) else await self._encode(p) for p in req.prompts]
+        return await self._generate(request, req, prompts, "cmpl", "prompt")
+
+    async def chat_completions(self, request: web.Request) -> web.StreamResponse:
+        req = proto.parse_chat(await self._json(request), self.vocab_size)
+        self._check_model(req.model)
+        self._note_unknown(request, req)
+        ids = await self._render_chat(req.messages, req.tools, req.template_kwargs)
+        return await self._generate(request, req, [ids], "chatcmpl", "messages")
+
+    async def _generate(self, request, req: proto.ParsedRequest, prompts: list[list[int]],
+                        kind: str, prompt_param: str) -> web.StreamResponse:
+        for i, ids in enumerate(prompts):
+            if not ids:
+                raise APIError(400, f"{prompt_param} is empty: it must contain at least one "
+                                    "token", param=prompt_param)
+        params = [proto.sampling_params(req, len(ids), self.max_model_len, prompt_param)
+                  for ids in prompts]
+        job = Job(kind=kind, request_id=f"{kind}-{uuid.uuid4().hex}", model=self.model_name,
+                  req=req, prompts=prompts, params=params, metrics=self.metrics)
+        request[LOG].update(id=job.request_id, prompt_tokens=sum(map(len, prompts)))
+        gens = [self.llm.generate({"prompt_token_ids": ids}, p,
+                                  request_id=f"{job.request_id}-{i}", priority=req.priority)
+                for i, (ids, p) in enumerate(zip(prompts, params))]
+        outputs = merge(gens)
+        try:
+            first = await self._engine_call(outputs.__anext__())
+            if req.stream:
+                return await self._stream(request, job, first, outputs)
+            job.add(*first)
+            while (item := await self._engine_call(outputs.__anext__())) is not None:
+                job.add(*item)
+        finally:
+            await outputs.aclose()
+        request[LOG].update(job.log_fields())
+        return web.json_response(job.response())
+
+    async def _engine_call(self, awaitable):
+        """Await the engine; its rejections become HTTP errors. None when a stream ends."""
+        try:
+            return await awaitable
+        except StopAsyncIteration:
+            return None
+        except QueueFullError as exc:
+            raise APIError(503, f"server overloaded: {exc}; retry later",
+                           headers={"Retry-After": str(self.config.retry_after)}) from None
+        except ValueError as exc:
+            raise APIError(400, str(exc)) from None
+
+    async def _stream(self, request, job: Job, first, outputs) -> web.StreamResponse:
+        response = web.StreamResponse(headers={"Content-Type": "text/event-stream",
+                                               "Cache-Control": "no-cache"})
+        await response.prepare(request)
+        try:
+            for chunk in job.chunks(*first):
+                await response.write(sse(chunk))
+            async for index, output in outputs:
+                for chunk in job.chunks(index, output):
+                    await response.write(sse(chunk))
+            if job.req.include_usage:
+                await response.write(sse(job.usage_chunk()))
+        except (asyncio.CancelledError, ConnectionError):
+            raise
+        except Exception as exc:  # headers are out: report in-band, then end the stream
+            logger.exception("stream %s failed", job.request_id)
+            status = exc.status if isinstance(exc, APIError) else 500
+            await response.write(sse(proto.error_body(status, str(exc))))
+        await response.write(b"data: [DONE]\n\n")
+        await response.write_eof()
+        request[LOG].update(job.log_fields())
+        return response
+
+    # ---- other routes ------------------------------------------------------------------
+    async def models(self, request: web.Request) -> web.Response:
+        return web.json_response({"object": "list", "data": [{
+            "id": self.model_name, "object": "model", "created": self.created,
+            "owned_by": "qwen-jax", "root": str(self.llm.engine.model_path), "parent": None,
+            "max_model_len": self.max_model_len}]})
+
+    async def health(self, request: web.Request) -> web.Response:
+        if self.llm.dead is not None or self.draining:
+            return web.Response(status=503)
+        return web.Response(status=200)
+
+    async def prometheus(self, request: web.Request) -> web.Response:
+        return web.Response(body=self.metrics.render(), headers={"Content-Type": CONTENT_TYPE})
+
+    async def tokenize(self, request: web.Request) -> web.Response:
+        body = await self._json(request)
+        self._check_model(proto.read_str(body, "model", None))
+        if "messages" in body:
+            req = proto.parse_chat({"messages": body["messages"],
+                                    **{k: body[k] for k in ("chat_template_kwargs",
+                                                            "add_generation_prompt", "tools")
+                                       if k in body}}, self.vocab_size)
+            ids = await self._render_chat(req.messages, req.tools, req.template_kwargs)
+        else:
+            prompt = proto.read_str(body, "prompt", None)
+            if prompt is None:
+                raise APIError(400, "prompt (a string) or messages is required", param="prompt")
+            ids = await self._encode(prompt, proto.read_bool(body, "add_special_tokens", True))
+        strs = None
+        if proto.read_bool(body, "return_token_strs", False):
+            strs = [self.tokenizer.id_to_token(t) for t in ids]
+        return web.json_response({"count": len(ids), "max_model_len": self.max_model_len,
+                                  "tokens": ids, "token_strs": strs})
+
+    async def detokenize(self, request: web.Request) -> web.Response:
+        body = await self._json(request)
+        self._check_model(proto.read_str(body, "model", None))
+        tokens = proto.read_token_ids(body.get("tokens"), "tokens", self.vocab_size, 10**7)
+        text = self._need_tokenizer().decode(tokens, skip_special_tokens=False)
+        return web.json_response({"prompt": text})
+
+    # ---- background ------------------------------------------------------------------
+    async def log_throughput(self, app: web.Application):
+        task = asyncio.create_task(self._throughput_loop()) if self.config.log_interval else None
+        self.llm.step_listeners.append(self.metrics.on_step)
+        yield
+        self.llm.step_listeners.remove(self.metrics.on_step)
+        if task is not None:
+            task.cancel()
+
+    async def _throughput_loop(self) -> None:
+        last = (time.monotonic(), self.metrics.num_prompt_tokens, self.metrics.num_generation_tokens)
+        while True:
+            await asyncio.sleep(self.config.log_interval)
+            now = (time.monotonic(), self.metrics.num_prompt_tokens,
+                   self.metrics.num_generation_tokens)
+            s = self.llm.stats()
+            if now[1:] != last[1:] or s["num_running"] or s["num_waiting"]:
+                seconds = now[0] - last[0]
+                logger.info("prompt throughput: %.1f tokens/s, generation throughput: %.1f "
+                            "tokens/s, running: %d reqs, waiting: %d reqs, KV cache usage: "
+                            "%.1f%%, prefix cache hit rate: %.1f%%",
+                            (now[1] - last[1]) / seconds, (now[2] - last[2]) / seconds,
+                            s["num_running"], s["num_waiting"], 100 * s["kv_cache_usage"],
+                            100 * s["prefix_cache_hit_rate"])
+            last = now
+
+
+def build_app(llm, config: ServerConfig | None = None) -> web.Application:
+    """The aiohttp application; serve it with `handler_cancellation=True` so a client
+    disconnect aborts its request."""
+    server = OpenAIServer(llm, config or ServerConfig())
+    app = web.Application(middlewares=[server.middleware], client_max_size=server.max_body)
+    app[STATE] = server
+    app.cleanup_ctx.append(server.log_throughput)
+    app.add_routes([
+        web.post("/v1/completions", server.completions),
+        web.post("/v1/chat/completions", server.chat_completions),
+        web.get("/v1/models", server.models),
+        web.get("/health", server.health),
+        web.get("/metrics", server.prometheus),
+        web.post("/tokenize", server.tokenize),
+        web.post("/detokenize", server.detokenize),
+    ])
+    return app
