@@ -129,9 +129,37 @@ def _run_bench_throughput(args) -> int:
     return 0
 
 
+# ---- serve -----------------------------------------------------------------------------
+def _add_serve(subparsers) -> None:
+    from serving.cli_args import add_engine_args
+    p = subparsers.add_parser(
+        "serve", help="OpenAI-compatible HTTP server (completions, chat, metrics)",
+        description="Serve the model over an OpenAI-compatible REST API (see docs/api.md). "
+                    "Binds loopback unless --host says otherwise.")
+    p.add_argument("--host", default="127.0.0.1")
+    p.add_argument("--port", type=int, default=8000)
+    p.add_argument("--api-key", default=None,
+                   help="require 'Authorization: Bearer KEY' on /v1 routes "
+                        "(default: $QWEN_JAX_API_KEY, else none)")
+    p.add_argument("--served-model-name", default=None,
+                   help="model id clients send and /v1/models lists (default: --model)")
+    p.add_argument("--max-request-body-mb", type=float, default=8.0)
+    p.add_argument("--shutdown-timeout", type=float, default=30.0,
+                   help="seconds in-flight requests get to finish on SIGTERM before abort")
+    p.add_argument("--log-interval", type=float, default=10.0,
+                   help="seconds between throughput / KV-usage log lines (0: off)")
+    add_engine_args(p)
+    p.set_defaults(func=_run_serve)
+
+
+def _run_serve(args) -> int:
+    from serving.cli_args import engine_kwargs
+    from serving.serve import run
+    return run(args, engine_kwargs(args))
+
+
 # ---- dispatch --------------------------------------------------------------------------
-# serve / generate / bench: add `_add_serve` etc. here (same shape as `_add_convert`).
-SUBCOMMANDS = (_add_convert, _add_generate, _add_bench)
+SUBCOMMANDS = (_add_convert, _add_generate, _add_bench, _add_serve)
 
 
 def build_parser() -> argparse.ArgumentParser:
