@@ -13,9 +13,11 @@ import dataclasses
 import jax
 import jax.numpy as jnp
 from flax import nnx
+from jax.sharding import PartitionSpec as P
 
-from pallas_kernels import ragged_paged_attention_reference
-from qwen_jax.layers import Linear, RMSNorm, apply_rope
+import pallas_kernels
+from qwen_jax.layers import Linear, RMSNorm, Runtime, apply_rope
+from qwen_jax.sharding import kv_replication
 
 
 @jax.tree_util.register_dataclass
@@ -35,24 +37,29 @@ class AttentionMetadata:
         return jnp.arange(num_tokens, dtype=jnp.int32) < end
 
 
-def attention_op(impl: str):
-    if impl == "pallas":
-        from pallas_kernels.ragged_paged_attention import ragged_paged_attention
-        return ragged_paged_attention
-    if impl != "reference":
-        raise ValueError(f"impl must be 'pallas' or 'reference', got {impl!r}")
-    return ragged_paged_attention_reference
+def paged_attention(q, k, v, kv_cache, meta: AttentionMetadata, page_offset, sm_scale,
+                    rt: Runtime):
+    """Write this step's K/V into the layer's pages, then attend. q: [T, N, H]; k, v:
+    [T, K', H] with K' the cache's heads. Under a mesh each device does its own heads."""
+    ops = pallas_kernels.ops(rt.impl)
 
+    def local(q, k, v, k_cache, v_cache, slots, page_table, kv_lens, query_start, num_seqs):
+        k_cache, v_cache = ops.write_kv_pages(k_cache, v_cache, k, v, slots)
+        out = ops.ragged_paged_attention(q, k_cache, v_cache, kv_lens, page_table, query_start,
+                                         num_seqs, sm_scale=sm_scale)
+        return out, k_cache, v_cache
 
-def write_kv(k_cache: jax.Array, v_cache: jax.Array, k: jax.Array, v: jax.Array,
-             slots: jax.Array) -> tuple[jax.Array, jax.Array]:
-    """Scatter new K/V [T, K, H] into flat slots of the [P', L, K, H] caches."""
-    num_pages, page_size = k_cache.shape[:2]
-    flat_shape = (num_pages * page_size, *k_cache.shape[2:])
-    k_cache = k_cache.reshape(flat_shape).at[slots].set(k.astype(k_cache.dtype))
-    v_cache = v_cache.reshape(flat_shape).at[slots].set(v.astype(v_cache.dtype))
-    return k_cache.reshape(num_pages, page_size, *k_cache.shape[1:]), \
-        v_cache.reshape(num_pages, page_size, *v_cache.shape[1:])
+    page_size = kv_cache[0].shape[1]
+    args = (q, k, v, *kv_cache, meta.slot_mapping + page_offset * page_size,
+            meta.page_table + page_offset, meta.kv_lens, meta.query_start, meta.num_seqs)
+    if rt.mesh is None:
+        out, k_cache, v_cache = local(*args)
+    else:
+        heads, cache, rep = P(None, "model", None), P(None, None, "model", None), P()
+        out, k_cache, v_cache = jax.shard_map(
+            local, mesh=rt.mesh, in_specs=(heads, heads, heads, cache, cache) + (rep,) * 5,
+            out_specs=(heads, cache, cache), check_vma=False)(*args)
+    return out, (k_cache, v_cache)
 
 
 class Attention(nnx.Module):
@@ -70,7 +77,7 @@ class Attention(nnx.Module):
         self.num_heads, self.num_kv_heads, self.head_dim = n, k, h
 
     def __call__(self, x, positions, kv_cache, meta: AttentionMetadata, page_offset, rope,
-                 impl: str):
+                 rt: Runtime):
         """x: [T, D]; positions: int32[T]; kv_cache: ([P', L, K, H], [P', L, K, H]).
 
         page_offset: int32[] first page of this layer in the segment's cache.
@@ -82,9 +89,9 @@ class Attention(nnx.Module):
         v = self.v_proj(x).reshape(num_tokens, self.num_kv_heads, self.head_dim)  # [T, K, H]
         q = apply_rope(q, positions, *rope)  # [T, N, H]
         k = apply_rope(k, positions, *rope)  # [T, K, H]
-        page_size = kv_cache[0].shape[1]
-        k_cache, v_cache = write_kv(*kv_cache, k, v, meta.slot_mapping + page_offset * page_size)
-        out = attention_op(impl)(
-            q, k_cache, v_cache, meta.kv_lens, meta.page_table + page_offset, meta.query_start,
-            meta.num_seqs, sm_scale=self.head_dim ** -0.5)  # [T, N, H]
-        return self.o_proj(out.reshape(num_tokens, -1)), (k_cache, v_cache)
+        copies = kv_replication(self.num_kv_heads, rt.mesh)
+        if copies > 1:  # TP > K: each device keeps a copy of the KV head it reads
+            k, v = jnp.repeat(k, copies, axis=1), jnp.repeat(v, copies, axis=1)  # [T, TP, H]
+        out, kv_cache = paged_attention(q, k, v, kv_cache, meta, page_offset,
+                                        self.head_dim ** -0.5, rt)  # [T, N, H]
+        return self.o_proj(out.reshape(num_tokens, -1)), kv_cache

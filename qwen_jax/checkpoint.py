@@ -10,6 +10,7 @@ import jax
 import orbax.checkpoint as ocp
 from flax import nnx
 
+from qwen_jax import sharding
 from qwen_jax.config import ModelConfig
 
 PARAMS_DIR = "orbax_params"
@@ -37,17 +38,23 @@ def save(model, directory, *, source_dir=None) -> Path:
     return directory
 
 
-def restore(directory, *, dtype=None, impl=None):
-    """Restore a model saved by `save`; `dtype` casts params if it differs from the saved one."""
+def restore(directory, *, dtype=None, impl=None, mesh=None):
+    """Restore a model saved by `save`; `dtype` casts params if it differs from the saved one.
+    With a `mesh`, orbax reads each parameter straight into its target shards."""
     from qwen_jax.weights import _restore_buffers, abstract_model, resolve_dtype
     directory = Path(directory).absolute()
     cfg = ModelConfig.from_hf(directory)
     with ocp.StandardCheckpointer() as ckptr:
         saved_meta = ckptr.metadata(directory / PARAMS_DIR)
         saved_dtype = jax.tree.leaves(_tree_of(saved_meta))[0].dtype
-        model = abstract_model(cfg, saved_dtype, impl)
-        graphdef, state = nnx.split(model)
-        target = nnx.to_pure_dict(nnx.state(model, nnx.Param))
+        model = abstract_model(cfg, saved_dtype, impl, mesh)
+        params = nnx.state(model, nnx.Param)
+        if mesh is not None:
+            for path, var in nnx.to_flat_state(params):
+                value = var.get_value()
+                var.set_value(jax.ShapeDtypeStruct(value.shape, value.dtype, sharding=(
+                    sharding.param_sharding(path, value.shape, mesh, cfg))))
+        target = nnx.to_pure_dict(params)
         restored = ckptr.restore(directory / PARAMS_DIR, target)
     params_state = nnx.state(model, nnx.Param)
     nnx.replace_by_pure_dict(params_state, restored)

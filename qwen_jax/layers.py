@@ -12,11 +12,22 @@ called directly; `jax.lax.scan` slices it and calls the per-layer view (see mode
 
 from __future__ import annotations
 
+import dataclasses
+
 import jax
 import jax.numpy as jnp
 from flax import nnx
+from jax.sharding import Mesh
 
 INIT_STD = 0.02
+
+
+@dataclasses.dataclass(frozen=True)
+class Runtime:
+    """Static choices of one compiled forward: kernel implementation and device mesh."""
+
+    impl: str = "reference"  # "pallas" | "reference"
+    mesh: Mesh | None = None  # None: one device, no shard_map
 
 
 def init_param(rngs: nnx.Rngs | None, shape: tuple[int, ...], dtype, std: float = INIT_STD,

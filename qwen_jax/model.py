@@ -7,17 +7,14 @@ import jax.numpy as jnp
 import numpy as np
 from flax import nnx
 
+import pallas_kernels
+from qwen_jax import sharding
 from qwen_jax.attention import Attention, AttentionMetadata
 from qwen_jax.config import ModelConfig
-from qwen_jax.layers import RMSNorm, init_param
+from qwen_jax.layers import RMSNorm, Runtime, init_param
 from qwen_jax.moe import MLP, SparseMoE
 
-KVCache = list  # per segment: (k [X*P, L, K, H], v [X*P, L, K, H])
-
-
-def default_impl() -> str:
-    """Pallas kernels on GPU, the jnp references elsewhere."""
-    return "pallas" if jax.default_backend() == "gpu" else "reference"
+KVCache = list  # per segment: (k [X*P, L, K', H], v [X*P, L, K', H]); K' = K * replication
 
 
 class DecoderLayer(nnx.Module):
@@ -31,15 +28,15 @@ class DecoderLayer(nnx.Module):
         mlp_cls = SparseMoE if kind == "moe" else MLP
         self.mlp = mlp_cls(cfg, stack=stack, dtype=dtype, rngs=rngs)
 
-    def __call__(self, x, positions, kv_cache, meta, page_offset, valid, rope, impl):
+    def __call__(self, x, positions, kv_cache, meta, page_offset, valid, rope, rt):
         attn_out, kv_cache = self.self_attn(self.input_layernorm(x), positions, kv_cache, meta,
-                                            page_offset, rope, impl)
+                                            page_offset, rope, rt)
         x = x + attn_out
-        x = x + self.mlp(self.post_attention_layernorm(x), valid, impl)
+        x = x + self.mlp(self.post_attention_layernorm(x), valid, rt)
         return x, kv_cache
 
 
-def run_segment(stack: DecoderLayer, x, positions, kv_cache, meta, valid, rope, impl):
+def run_segment(stack: DecoderLayer, x, positions, kv_cache, meta, valid, rope, rt):
     """Scan the stacked layers of one segment; the cache rides in the carry (in place)."""
     graphdef, state = nnx.split(stack)
     num_layers = jax.tree.leaves(state)[0].shape[0]
@@ -49,7 +46,7 @@ def run_segment(stack: DecoderLayer, x, positions, kv_cache, meta, valid, rope, 
         h, kv = carry
         layer_state, layer_idx = xs
         layer = nnx.merge(graphdef, layer_state)
-        h, kv = layer(h, positions, kv, meta, layer_idx * pages_per_layer, valid, rope, impl)
+        h, kv = layer(h, positions, kv, meta, layer_idx * pages_per_layer, valid, rope, rt)
         return (h, kv), None
 
     layer_ids = jnp.arange(num_layers, dtype=jnp.int32)
@@ -62,10 +59,10 @@ class Qwen3ForCausalLM(nnx.Module):
     segments[s] <- model.layers[first:first+count], norm <- model.norm, lm_head <- lm_head."""
 
     def __init__(self, cfg: ModelConfig, *, dtype=jnp.float32, rngs: nnx.Rngs | None = None,
-                 impl: str | None = None):
+                 impl: str | None = None, mesh=None):
         rngs = rngs if rngs is not None else nnx.Rngs(0)
         self.config = cfg
-        self.impl = impl or default_impl()
+        self.runtime = Runtime(impl or pallas_kernels.default_impl(), mesh)
         self.embed_tokens = init_param(rngs, (cfg.vocab_size, cfg.hidden_size), dtype)  # [V, D]
         self.segments = nnx.List([
             DecoderLayer(cfg, kind, stack=(count,), dtype=dtype, rngs=rngs)
@@ -89,7 +86,7 @@ class Qwen3ForCausalLM(nnx.Module):
         rope = (self.rope_inv_freq[...], self.rope_scale)
         new_caches = []
         for stack, kv in zip(self.segments, kv_caches):
-            x, kv = run_segment(stack, x, positions, kv, meta, valid, rope, self.impl)
+            x, kv = run_segment(stack, x, positions, kv, meta, valid, rope, self.runtime)
             new_caches.append(kv)
         return self.norm(x), new_caches
 
@@ -98,13 +95,29 @@ class Qwen3ForCausalLM(nnx.Module):
         head = self.embed_tokens[...].T if self.lm_head is None else self.lm_head[...]
         return jnp.einsum("...d,dv->...v", hidden, head, preferred_element_type=jnp.float32)
 
+    @property
+    def impl(self) -> str:
+        return self.runtime.impl
+
+    @property
+    def mesh(self):
+        return self.runtime.mesh
+
+    @property
+    def num_cache_kv_heads(self) -> int:
+        """K' = K, or TP when TP > K (each device keeps a copy of its KV head)."""
+        k = self.config.num_key_value_heads
+        return k * sharding.kv_replication(k, self.mesh)
+
     def init_kv_caches(self, num_pages: int, page_size: int, dtype=None) -> KVCache:
-        """Zeroed caches: per segment of X layers, K and V of [X * num_pages, L, K, H]."""
+        """Zeroed caches: per segment of X layers, K and V of [X * num_pages, L, K', H],
+        created directly in their shards (kv heads over the model axis) under a mesh."""
         cfg = self.config
         dtype = dtype or self.dtype
-        shape = lambda count: (count * num_pages, page_size, cfg.num_key_value_heads, cfg.head_dim)
-        return [(jnp.zeros(shape(c), dtype), jnp.zeros(shape(c), dtype))
-                for _, _, c in cfg.segments]
+        device = None if self.mesh is None else sharding.kv_cache_sharding(self.mesh)
+        shape = lambda count: (count * num_pages, page_size, self.num_cache_kv_heads, cfg.head_dim)
+        zeros = lambda count: jnp.zeros(shape(count), dtype, device=device)
+        return [(zeros(c), zeros(c)) for _, _, c in cfg.segments]
 
     # ---- full-sequence path ------------------------------------------------------------
     def __call__(self, input_ids: jax.Array, page_size: int = 16) -> jax.Array:
@@ -118,11 +131,12 @@ class Qwen3ForCausalLM(nnx.Module):
 
     @classmethod
     def from_pretrained(cls, path, dtype="float32", *, impl: str | None = None,
-                        load_format: str = "auto") -> "Qwen3ForCausalLM":
+                        load_format: str = "auto", mesh=None) -> "Qwen3ForCausalLM":
         """Load an HF safetensors checkpoint, an orbax checkpoint written by
-        `qwen-jax convert`, or (load_format="dummy" or a preset name) random weights."""
+        `qwen-jax convert`, or (load_format="dummy" or a preset name) random weights;
+        with a `mesh` (qwen_jax.sharding.make_mesh) every weight lands in its shards."""
         from qwen_jax.weights import load_model
-        return load_model(path, dtype=dtype, impl=impl, load_format=load_format)
+        return load_model(path, dtype=dtype, impl=impl, load_format=load_format, mesh=mesh)
 
 
 def contiguous_metadata(batch: int, seq_len: int, page_size: int):

@@ -10,18 +10,10 @@ from __future__ import annotations
 import jax
 import jax.numpy as jnp
 from flax import nnx
+from jax.sharding import PartitionSpec as P
 
-from pallas_kernels import grouped_matmul_reference
-from qwen_jax.layers import Linear, init_param
-
-
-def grouped_matmul_op(impl: str):
-    if impl == "pallas":
-        from pallas_kernels.grouped_matmul import grouped_matmul
-        return grouped_matmul
-    if impl != "reference":
-        raise ValueError(f"impl must be 'pallas' or 'reference', got {impl!r}")
-    return grouped_matmul_reference
+import pallas_kernels
+from qwen_jax.layers import Linear, Runtime, init_param
 
 
 def route(x: jax.Array, gate: jax.Array, top_k: int, norm_topk_prob: bool):
@@ -45,38 +37,64 @@ def dispatch(ids: jax.Array, valid: jax.Array, num_experts: int):
     return order, group_sizes
 
 
-def experts_forward(x_sorted, gate_up, down, group_sizes, impl: str):
-    """x_sorted: [M, D]; gate_up: [E, D, 2F]; down: [E, F, D] -> [M, D]."""
-    gmm = grouped_matmul_op(impl)
-    h = gmm(x_sorted, gate_up, group_sizes)  # [M, 2F]
-    ffn = gate_up.shape[-1] // 2
+def experts_forward(x_sorted, gate_up, down, group_sizes, gmm):
+    """x_sorted: [M, D]; gate_up: [E, D, 2, F]; down: [E, F, D] -> [M, D]."""
+    num_experts, dim, _, ffn = gate_up.shape
+    h = gmm(x_sorted, gate_up.reshape(num_experts, dim, 2 * ffn), group_sizes)  # [M, 2F]
     act = jax.nn.silu(h[:, :ffn]) * h[:, ffn:]  # [M, F]
     return gmm(act.astype(x_sorted.dtype), down, group_sizes)  # [M, D]
 
 
+def moe_local(x, valid, weights, ids, gate_up, down, *, first_expert, top_k, gmm):
+    """The experts this device holds (first_expert.. + E_local) over all tokens: pairs
+    routed elsewhere sort past the local groups and contribute nothing. Returns [T, D]."""
+    num_tokens, num_local = x.shape[0], gate_up.shape[0]
+    local_ids = ids - first_expert  # [T, k]
+    mine = valid[:, None] & (local_ids >= 0) & (local_ids < num_local)
+    order, group_sizes = dispatch(jnp.where(mine, local_ids, num_local), valid, num_local)
+    x_sorted = x[order // top_k]  # [T*k, D]
+    y_sorted = experts_forward(x_sorted, gate_up, down, group_sizes, gmm)  # [T*k, D]
+    y = jnp.zeros_like(y_sorted).at[order].set(y_sorted)  # (token, slot) order
+    y = y.reshape(num_tokens, top_k, -1)  # [T, k, D]
+    return jnp.einsum("tkd,tk->td", y, jnp.where(mine, weights, 0).astype(x.dtype))
+
+
 class SparseMoE(nnx.Module):
     """HF `mlp` of an MoE layer. gate <- mlp.gate.weight.T;
-    gate_up_proj[e] <- concat(experts.e.gate_proj.weight.T, experts.e.up_proj.weight.T);
+    gate_up_proj[e] <- stack(experts.e.gate_proj.weight.T, experts.e.up_proj.weight.T)
+    as [D, 2, F] (gate and up stay whole under an F-sharded tensor-parallel split);
     down_proj[e] <- experts.e.down_proj.weight.T."""
 
     def __init__(self, cfg, *, stack=(), dtype=jnp.float32, rngs=None):
         d, e, f = cfg.hidden_size, cfg.num_experts, cfg.moe_intermediate_size
         self.gate = init_param(rngs, (*stack, d, e), dtype)  # [D, E]
-        self.gate_up_proj = init_param(rngs, (*stack, e, d, 2 * f), dtype)  # [E, D, 2F]
+        self.gate_up_proj = init_param(rngs, (*stack, e, d, 2, f), dtype)  # [E, D, 2, F]
         self.down_proj = init_param(rngs, (*stack, e, f, d), dtype)  # [E, F, D]
         self.top_k, self.norm_topk_prob = cfg.num_experts_per_tok, cfg.norm_topk_prob
 
-    def __call__(self, x: jax.Array, valid: jax.Array, impl: str) -> jax.Array:
+    def __call__(self, x: jax.Array, valid: jax.Array, rt: Runtime) -> jax.Array:
         """x: [T, D]; valid: bool[T] -> [T, D]."""
-        num_tokens, num_experts = x.shape[0], self.gate.shape[-1]
         weights, ids = route(x, self.gate[...], self.top_k, self.norm_topk_prob)  # [T, k]
-        order, group_sizes = dispatch(ids, valid, num_experts)
-        x_sorted = x[order // self.top_k]  # [T*k, D]
-        y_sorted = experts_forward(x_sorted, self.gate_up_proj[...], self.down_proj[...],
-                                   group_sizes, impl)  # [T*k, D]
-        y = jnp.zeros_like(y_sorted).at[order].set(y_sorted)  # [T*k, D] in (token, slot) order
-        y = y.reshape(num_tokens, self.top_k, -1)  # [T, k, D]
-        return jnp.einsum("tkd,tk->td", y, weights.astype(x.dtype))
+        gmm = pallas_kernels.ops(rt.impl).grouped_matmul
+        gate_up, down = self.gate_up_proj[...], self.down_proj[...]
+        if rt.mesh is None:
+            return moe_local(x, valid, weights, ids, gate_up, down, first_expert=0,
+                             top_k=self.top_k, gmm=gmm)
+
+        def sharded(x, valid, weights, ids, gate_up, down):
+            # Tokens arrive replicated; each device runs its experts' F-slice and the
+            # combine is one psum over both axes (experts and F partial sums).
+            first = jax.lax.axis_index("expert") * gate_up.shape[0]
+            y = moe_local(x, valid, weights, ids, gate_up, down, first_expert=first,
+                          top_k=self.top_k, gmm=gmm)
+            return jax.lax.psum(y, ("expert", "model"))
+
+        rep = P()
+        return jax.shard_map(
+            sharded, mesh=rt.mesh,
+            in_specs=(rep, rep, rep, rep, P("expert", None, None, "model"),
+                      P("expert", "model", None)),
+            out_specs=rep, check_vma=False)(x, valid, weights, ids, gate_up, down)
 
 
 class MLP(nnx.Module):
@@ -88,6 +106,6 @@ class MLP(nnx.Module):
         self.up_proj = Linear(d, f, stack=stack, dtype=dtype, rngs=rngs)
         self.down_proj = Linear(f, d, stack=stack, dtype=dtype, rngs=rngs)
 
-    def __call__(self, x: jax.Array, valid: jax.Array, impl: str) -> jax.Array:
-        del valid, impl
+    def __call__(self, x: jax.Array, valid: jax.Array, rt: Runtime) -> jax.Array:
+        del valid, rt
         return self.down_proj(jax.nn.silu(self.gate_proj(x)) * self.up_proj(x))

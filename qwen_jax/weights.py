@@ -14,7 +14,12 @@ import jax.numpy as jnp
 import numpy as np
 from flax import nnx
 
+from jax.sharding import NamedSharding
+from jax.sharding import PartitionSpec as P
+
+from qwen_jax import sharding
 from qwen_jax.config import PRESET_DIR, ModelConfig
+from qwen_jax.layers import INIT_STD
 from qwen_jax.model import Qwen3ForCausalLM
 from qwen_jax.safetensors_io import CheckpointReader
 
@@ -41,7 +46,7 @@ def resolve_model_path(model: str | Path) -> Path:
                      f"({', '.join(sorted(p.stem for p in PRESET_DIR.glob('*.json')))})")
 
 
-def load_model(model, dtype="float32", *, impl=None, load_format="auto", seed=0):
+def load_model(model, dtype="float32", *, impl=None, load_format="auto", seed=0, mesh=None):
     """Build a Qwen3ForCausalLM from a checkpoint dir (safetensors or orbax) or a preset."""
     path = resolve_model_path(model)
     cfg = ModelConfig.from_hf(path)
@@ -49,21 +54,45 @@ def load_model(model, dtype="float32", *, impl=None, load_format="auto", seed=0)
     if load_format not in ("auto", "dummy", "safetensors", "orbax"):
         raise ValueError(f"load_format must be auto, dummy, safetensors or orbax, got {load_format!r}")
     if load_format == "dummy" or path.is_file():
-        return init_dummy(cfg, dtype, impl=impl, seed=seed)
+        return init_dummy(cfg, dtype, impl=impl, seed=seed, mesh=mesh)
     from qwen_jax import checkpoint
     if load_format == "orbax" or (load_format == "auto" and checkpoint.is_orbax_checkpoint(path)):
-        return checkpoint.restore(path, dtype=dtype, impl=impl)
-    return load_safetensors(path, cfg, dtype, impl=impl)
+        return checkpoint.restore(path, dtype=dtype, impl=impl, mesh=mesh)
+    return load_safetensors(path, cfg, dtype, impl=impl, mesh=mesh)
 
 
-def init_dummy(cfg: ModelConfig, dtype=jnp.float32, *, impl=None, seed=0) -> Qwen3ForCausalLM:
-    """Random params built directly on device (vLLM's load_format=dummy)."""
-    return Qwen3ForCausalLM(cfg, dtype=resolve_dtype(dtype), rngs=nnx.Rngs(seed), impl=impl)
+def init_dummy(cfg: ModelConfig, dtype=jnp.float32, *, impl=None, seed=0, mesh=None
+               ) -> Qwen3ForCausalLM:
+    """Random params built directly on device (vLLM's load_format=dummy); under a mesh each
+    parameter is generated straight into its shards."""
+    dtype = resolve_dtype(dtype)
+    if mesh is None:
+        return Qwen3ForCausalLM(cfg, dtype=dtype, rngs=nnx.Rngs(seed), impl=impl)
+    graphdef, state = nnx.split(abstract_model(cfg, dtype, impl, mesh))
+    key = jax.random.key(seed)
+    for i, (path, var) in enumerate(nnx.to_flat_state(state)):
+        if not isinstance(var, nnx.Param):
+            continue
+        shape = var.get_value().shape
+        target = sharding.param_sharding(path, shape, mesh, cfg)
+        is_norm = path[-1] == "weight" and "norm" in str(path[-2])
+        make = functools.partial(_dummy_param, shape=shape, dtype=dtype, ones=is_norm)
+        var.set_value(jax.jit(make, out_shardings=target)(jax.random.fold_in(key, i)))
+    _restore_buffers(state, cfg)
+    return nnx.merge(graphdef, state)
 
 
-def abstract_model(cfg: ModelConfig, dtype=jnp.float32, impl=None) -> Qwen3ForCausalLM:
+def _dummy_param(key, *, shape, dtype, ones):
+    if ones:
+        return jnp.ones(shape, dtype)
+    return jax.random.normal(key, shape, dtype) * jnp.asarray(INIT_STD, dtype)
+
+
+def abstract_model(cfg: ModelConfig, dtype=jnp.float32, impl=None, mesh=None
+                   ) -> Qwen3ForCausalLM:
     """The model with ShapeDtypeStruct leaves: shapes without memory."""
-    return nnx.eval_shape(lambda: Qwen3ForCausalLM(cfg, dtype=resolve_dtype(dtype), impl=impl))
+    return nnx.eval_shape(lambda: Qwen3ForCausalLM(cfg, dtype=resolve_dtype(dtype), impl=impl,
+                                                   mesh=mesh))
 
 
 def param_count(cfg: ModelConfig) -> int:
@@ -77,27 +106,56 @@ def _hf_linear(reader, name, shape):
     return reader.get(name, (shape[1], shape[0])).T
 
 
-def _hf_experts(reader, prefix, kind, cfg, shape):
-    """Per-expert tensors (`experts.{e}.*.weight`) or transformers-5 fused ones, -> [E, ...]."""
+class StackedExperts:
+    """Per-expert HF tensors seen as one [E, ...] array in our layout, read lazily: indexing
+    reads only the experts and the slice asked for (one shard's worth)."""
+
+    def __init__(self, reader, names_per_expert: list[tuple[str, ...]], torch_shape, stack_axis):
+        self.reader, self.names, self.torch_shape = reader, names_per_expert, torch_shape
+        self.stack_axis = stack_axis  # None: one tensor per expert; -2: gate/up stacked
+        inner = (torch_shape[1], torch_shape[0])
+        self.shape = (len(names_per_expert), *inner[:-1],
+                      *(() if stack_axis is None else (2,)), inner[-1])
+        self.ndim = len(self.shape)
+
+    def _expert(self, e, inner_index):
+        parts = [self.reader.get(n, self.torch_shape).T for n in self.names[e]]
+        if self.stack_axis is None:
+            return np.asarray(parts[0][inner_index])
+        d_idx, two_idx, f_idx = inner_index
+        return np.stack([np.asarray(p[d_idx, f_idx]) for p in parts], axis=-2)[:, two_idx]
+
+    def __getitem__(self, index):
+        index = tuple(index) + (slice(None),) * (self.ndim - len(tuple(index)))
+        experts = range(self.shape[0])[index[0]]
+        return np.stack([self._expert(e, index[1:]) for e in experts])
+
+    def __array__(self, dtype=None, copy=None):
+        return self[(slice(None),)]
+
+
+def _hf_experts(reader, prefix, kind, cfg):
+    """Per-expert tensors (`experts.{e}.*.weight`) or transformers-5 fused ones, as a lazy
+    [E, D, 2, F] (gate_up) or [E, F, D] (down) array."""
     e, f, d = cfg.num_experts, cfg.moe_intermediate_size, cfg.hidden_size
     fused = f"{prefix}experts.{kind}"
     if kind == "gate_up_proj":
-        if fused in reader:
-            return reader.get(fused, (e, 2 * f, d)).transpose(0, 2, 1)
-        gate = [reader.get(f"{prefix}experts.{i}.gate_proj.weight", (f, d)).T for i in range(e)]
-        up = [reader.get(f"{prefix}experts.{i}.up_proj.weight", (f, d)).T for i in range(e)]
-        return np.concatenate([np.stack(gate), np.stack(up)], axis=-1)  # [E, D, 2F]
+        if fused in reader:  # [E, 2F, D] with gate rows first
+            return reader.get(fused, (e, 2 * f, d)).reshape(e, 2, f, d).transpose(0, 3, 1, 2)
+        names = [(f"{prefix}experts.{i}.gate_proj.weight", f"{prefix}experts.{i}.up_proj.weight")
+                 for i in range(e)]
+        return StackedExperts(reader, names, (f, d), stack_axis=-2)
     if fused in reader:
         return reader.get(fused, (e, d, f)).transpose(0, 2, 1)
-    return np.stack([reader.get(f"{prefix}experts.{i}.down_proj.weight", (d, f)).T
-                     for i in range(e)])  # [E, F, D]
+    names = [(f"{prefix}experts.{i}.down_proj.weight",) for i in range(e)]
+    return StackedExperts(reader, names, (d, f), stack_axis=None)
 
 
 def hf_layer_tensor(reader, cfg, layer_idx: int, subpath: tuple[str, ...], shape) -> np.ndarray:
     """Our per-layer param at `subpath` (e.g. ('self_attn', 'q_proj', 'kernel')) from HF."""
     prefix = f"model.layers.{layer_idx}."
     if subpath in (("mlp", "gate_up_proj"), ("mlp", "down_proj")):
-        return _hf_experts(reader, prefix + "mlp.", subpath[1], cfg, shape)
+        return _hf_experts(reader, prefix + "mlp.", subpath[1], cfg)
     if subpath == ("mlp", "gate"):
         return _hf_linear(reader, prefix + "mlp.gate.weight", shape)
     leaf = subpath[-1]
@@ -122,24 +180,37 @@ def _set_layer(buffer, value, index):
     return buffer.at[index].set(value.astype(buffer.dtype))
 
 
-def load_safetensors(directory, cfg: ModelConfig, dtype, *, impl=None) -> Qwen3ForCausalLM:
+def _to_device(host, sharding, dtype):
+    """A (lazy) host array onto the device(s): under a mesh each device's slice is read
+    on its own (jax.make_array_from_callback), so no full copy is ever materialised."""
+    if sharding is None:
+        return jnp.asarray(np.asarray(host), dtype)
+    return jax.make_array_from_callback(
+        tuple(host.shape), sharding, lambda index: np.asarray(host[index]).astype(dtype))
+
+
+def load_safetensors(directory, cfg: ModelConfig, dtype, *, impl=None, mesh=None
+                     ) -> Qwen3ForCausalLM:
     reader = CheckpointReader(directory)
-    model = abstract_model(cfg, dtype, impl)
+    model = abstract_model(cfg, dtype, impl, mesh)
     graphdef, state = nnx.split(model)
     for path, var in nnx.to_flat_state(state):
         if not isinstance(var, nnx.Param):
             continue
         shape, vdtype = var.get_value().shape, var.get_value().dtype
+        target = None if mesh is None else sharding.param_sharding(path, shape, mesh, cfg)
         if path[0] == "segments":
             seg, sub = path[1], tuple(path[2:])
             _, first, count = cfg.segments[seg]
-            buffer = jnp.zeros(shape, vdtype)
+            layer_target = None if target is None else NamedSharding(mesh, P(*target.spec[1:]))
+            buffer = jnp.zeros(shape, vdtype, device=target)
             for j in range(count):
                 host = hf_layer_tensor(reader, cfg, first + j, sub, shape[1:])
-                buffer = _set_layer(buffer, jnp.asarray(host), j)
+                buffer = _set_layer(buffer, _to_device(host, layer_target, vdtype), j)
             var.set_value(buffer)
         else:
-            var.set_value(jnp.asarray(hf_global_tensor(reader, cfg, tuple(path), shape), vdtype))
+            host = hf_global_tensor(reader, cfg, tuple(path), shape)
+            var.set_value(_to_device(host, target, vdtype))
     _restore_buffers(state, cfg)
     return nnx.merge(graphdef, state)
 

@@ -33,7 +33,7 @@ def test_abstract_shapes_of_30b_moe_layers():
     cfg = ModelConfig.from_hf("qwen3-30b-a3b")
     stack = abstract_model(cfg).segments[0]
     assert stack.mlp.gate.shape == (48, 2048, 128)  # [X, D, E]
-    assert stack.mlp.gate_up_proj.shape == (48, 128, 2048, 2 * 768)  # [X, E, D, 2F]
+    assert stack.mlp.gate_up_proj.shape == (48, 128, 2048, 2, 768)  # [X, E, D, 2, F]
     assert stack.mlp.down_proj.shape == (48, 128, 768, 2048)  # [X, E, F, D]
     assert stack.self_attn.q_proj.kernel.shape == (48, 2048, 32 * 128)
     assert stack.self_attn.k_proj.kernel.shape == (48, 2048, 4 * 128)

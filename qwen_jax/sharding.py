@@ -1,0 +1,180 @@
+"""Mesh construction and the ONE table mapping logical axes to mesh axes.
+
+Mesh axes: `expert` (expert parallel) x `model` (tensor parallel). Data parallelism is
+replicas: each replica is an engine on its own sub-mesh of TP x EP devices (vLLM's DP),
+so one mesh never has a data axis of size > 1; it is kept so specs read the same.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import logging
+
+import jax
+import numpy as np
+from jax.sharding import AxisType, Mesh, NamedSharding, PartitionSpec
+
+logger = logging.getLogger(__name__)
+
+MESH_AXES = ("data", "expert", "model")
+
+# The table: logical axis -> mesh axis (None = replicated).
+LOGICAL_AXIS_RULES = {
+    "layers": None,      # stacked layers of a scan segment
+    "embed": None,       # D
+    "vocab": "model",    # V: embedding rows and lm-head columns
+    "heads": "model",    # N * H of q_proj / o_proj
+    "kv_heads": "model", # K * H of k_proj / v_proj and the cache's K (see kv replication)
+    "head_dim": None,    # H (q_norm / k_norm)
+    "mlp": "model",      # dense FFN width
+    "experts": "expert", # E
+    "expert_mlp": "model",  # expert FFN width F
+    "gate_up": None,     # the 2 of [E, D, 2, F]
+    "router": None,      # E columns of the router (replicated: every device routes)
+    "pages": None,       # cache pages (X * P)
+    "page_slots": None,  # L
+}
+
+# Logical axes of every parameter, by the tail of its path (leading "layers" for stacks).
+_PARAM_AXES = {
+    ("embed_tokens",): ("vocab", "embed"),
+    ("lm_head",): ("embed", "vocab"),
+    ("norm", "weight"): ("embed",),
+    ("input_layernorm", "weight"): ("embed",),
+    ("post_attention_layernorm", "weight"): ("embed",),
+    ("q_proj", "kernel"): ("embed", "heads"),
+    ("q_proj", "bias"): ("heads",),
+    ("k_proj", "kernel"): ("embed", "kv_heads"),
+    ("k_proj", "bias"): ("kv_heads",),
+    ("v_proj", "kernel"): ("embed", "kv_heads"),
+    ("v_proj", "bias"): ("kv_heads",),
+    ("o_proj", "kernel"): ("heads", "embed"),
+    ("o_proj", "bias"): ("embed",),
+    ("q_norm", "weight"): ("head_dim",),
+    ("k_norm", "weight"): ("head_dim",),
+    ("gate_proj", "kernel"): ("embed", "mlp"),
+    ("up_proj", "kernel"): ("embed", "mlp"),
+    ("down_proj", "kernel"): ("mlp", "embed"),
+    ("mlp", "gate"): ("embed", "router"),
+    ("mlp", "gate_up_proj"): ("experts", "embed", "gate_up", "expert_mlp"),
+    ("mlp", "down_proj"): ("experts", "expert_mlp", "embed"),
+}
+KV_CACHE_AXES = ("pages", "page_slots", "kv_heads", "head_dim")
+
+
+@dataclasses.dataclass(frozen=True, kw_only=True)
+class ParallelConfig:
+    tensor_parallel_size: int = 1
+    expert_parallel_size: int = 1
+    data_parallel_size: int = 1
+
+    def __post_init__(self):
+        for name in ("tensor_parallel_size", "expert_parallel_size", "data_parallel_size"):
+            if getattr(self, name) < 1:
+                raise ValueError(f"{name} must be >= 1, got {getattr(self, name)}")
+
+    @property
+    def replica_size(self) -> int:
+        return self.tensor_parallel_size * self.expert_parallel_size
+
+    @property
+    def world_size(self) -> int:
+        return self.replica_size * self.data_parallel_size
+
+    def validate(self, cfg, num_devices: int) -> None:
+        """Raise ValueError naming the field when the model cannot split this way."""
+        tp, ep = self.tensor_parallel_size, self.expert_parallel_size
+        if self.world_size > num_devices:
+            raise ValueError(f"tensor_parallel_size x expert_parallel_size x data_parallel_size"
+                             f" = {self.world_size} exceeds the {num_devices} devices available")
+        if cfg.num_attention_heads % tp:
+            raise ValueError(f"tensor_parallel_size={tp} must divide num_attention_heads="
+                             f"{cfg.num_attention_heads}")
+        k = cfg.num_key_value_heads
+        if k % tp and tp % k:
+            raise ValueError(f"tensor_parallel_size={tp} must divide or be a multiple of "
+                             f"num_key_value_heads={k}")
+        if cfg.is_moe:
+            if cfg.num_experts % ep:
+                raise ValueError(f"expert_parallel_size={ep} must divide num_experts="
+                                 f"{cfg.num_experts}")
+            if cfg.moe_intermediate_size % tp:
+                raise ValueError(f"tensor_parallel_size={tp} must divide moe_intermediate_size="
+                                 f"{cfg.moe_intermediate_size}")
+        elif ep > 1:
+            raise ValueError(f"expert_parallel_size={ep} needs an MoE model")
+        if "dense" in cfg.layer_kinds and cfg.intermediate_size % tp:
+            raise ValueError(f"tensor_parallel_size={tp} must divide intermediate_size="
+                             f"{cfg.intermediate_size}")
+
+
+def make_mesh(tensor_parallel_size: int = 1, expert_parallel_size: int = 1,
+              devices=None) -> Mesh:
+    """A (data=1, expert, model) mesh over the first EP x TP of `devices`.
+
+    Auto axes: the compiler propagates shardings between the explicit shard_map regions
+    (jax.make_mesh defaults to Explicit axes, where ambiguous contractions are errors)."""
+    size = tensor_parallel_size * expert_parallel_size
+    devices = list(devices if devices is not None else jax.devices())[:size]
+    if len(devices) < size:
+        raise ValueError(f"need {size} devices for TP={tensor_parallel_size} x "
+                         f"EP={expert_parallel_size}, have {len(devices)}")
+    grid = np.array(devices).reshape(1, expert_parallel_size, tensor_parallel_size)
+    return Mesh(grid, MESH_AXES, axis_types=(AxisType.Auto,) * 3)
+
+
+def tp_size(mesh: Mesh | None) -> int:
+    return 1 if mesh is None else mesh.shape["model"]
+
+
+def ep_size(mesh: Mesh | None) -> int:
+    return 1 if mesh is None else mesh.shape["expert"]
+
+
+def kv_replication(num_kv_heads: int, mesh: Mesh | None) -> int:
+    """How many copies of each KV head the cache holds: TP / K when TP > K (vLLM's scheme:
+    every device keeps the one KV head its query heads read), else 1."""
+    tp = tp_size(mesh)
+    return tp // num_kv_heads if tp > num_kv_heads else 1
+
+
+def param_logical_axes(path: tuple) -> tuple:
+    """Logical axes of the parameter at `path` (an nnx state path)."""
+    names = tuple(p for p in path if isinstance(p, str))
+    stacked = names[0] == "segments"
+    for n in (2, 1):
+        if names[-n:] in _PARAM_AXES:
+            axes = _PARAM_AXES[names[-n:]]
+            return (("layers",) + axes) if stacked else axes
+    raise ValueError(f"no logical axes are declared for parameter {'/'.join(map(str, path))}")
+
+
+def spec_for(axes: tuple, shape: tuple, mesh: Mesh, num_kv_heads: int | None = None
+             ) -> PartitionSpec:
+    """PartitionSpec from logical axes via the table. A dim the mesh axis does not divide
+    is replicated (vocab of a tiny model), and KV-head weights replicate when TP > K."""
+    spec = []
+    for axis, dim in zip(axes, shape):
+        mesh_axis = LOGICAL_AXIS_RULES[axis]
+        if axis == "kv_heads" and num_kv_heads is not None and kv_replication(num_kv_heads, mesh) > 1:
+            mesh_axis = None
+        if mesh_axis is not None and dim % mesh.shape[mesh_axis]:
+            logger.info("replicating a dim of %d over %s (not divisible by %d)", dim, mesh_axis,
+                        mesh.shape[mesh_axis])
+            mesh_axis = None
+        spec.append(mesh_axis)
+    return PartitionSpec(*spec)
+
+
+def param_sharding(path, shape, mesh: Mesh, cfg) -> NamedSharding:
+    axes = param_logical_axes(path)
+    return NamedSharding(mesh, spec_for(axes, shape, mesh, cfg.num_key_value_heads))
+
+
+def kv_cache_sharding(mesh: Mesh) -> NamedSharding:
+    """The cache always has max(K, TP) heads, so the kv_heads dim divides evenly."""
+    return NamedSharding(mesh, PartitionSpec(*(LOGICAL_AXIS_RULES[a] for a in KV_CACHE_AXES)))
+
+
+def replicated(mesh: Mesh) -> NamedSharding:
+    return NamedSharding(mesh, PartitionSpec())
