@@ -2,6 +2,7 @@
 it is there); the metric definitions on synthetic data."""
 
 import asyncio
+import contextlib
 import json
 import threading
 from types import SimpleNamespace
@@ -12,6 +13,7 @@ from aiohttp import web
 
 from serving.bench.metrics import RequestResult, compute_metrics, format_table, parse_goodput
 from serving.cli import main
+from tests.engine.conftest import compile_cache, tokenizer_ckpt  # noqa: F401 (fixtures)
 
 OUTPUT_LEN = 5
 METRICS = ("ttft", "tpot", "itl", "e2el")
@@ -52,20 +54,29 @@ def _fake_app(state) -> web.Application:
     return app
 
 
-@pytest.fixture
-def fake_server():
-    state = SimpleNamespace(active=0, max_active=0, bodies=[], send_usage=True)
+@contextlib.contextmanager
+def serve_in_thread(app: web.Application):
+    """`app` on 127.0.0.1:<free port>, run by an event loop in a background thread."""
     loop = asyncio.new_event_loop()
-    runner = web.AppRunner(_fake_app(state))
+    runner = web.AppRunner(app, handler_cancellation=True, access_log=None)
     loop.run_until_complete(runner.setup())
     site = web.TCPSite(runner, "127.0.0.1", 0)
     loop.run_until_complete(site.start())
     thread = threading.Thread(target=loop.run_forever, daemon=True)
     thread.start()
-    yield f"http://127.0.0.1:{runner.addresses[0][1]}", state
-    asyncio.run_coroutine_threadsafe(runner.cleanup(), loop).result(10)
-    loop.call_soon_threadsafe(loop.stop)
-    thread.join(10)
+    try:
+        yield f"http://127.0.0.1:{runner.addresses[0][1]}"
+    finally:
+        asyncio.run_coroutine_threadsafe(runner.cleanup(), loop).result(30)
+        loop.call_soon_threadsafe(loop.stop)
+        thread.join(10)
+
+
+@pytest.fixture
+def fake_server():
+    state = SimpleNamespace(active=0, max_active=0, bodies=[], send_usage=True)
+    with serve_in_thread(_fake_app(state)) as url:
+        yield url, state
 
 
 def _bench(tmp_path, url, *extra) -> dict:
@@ -137,6 +148,30 @@ def test_bench_serve_unreachable_server_fails_fast(tmp_path):
     rc = main(["bench", "serve", "--base-url", "http://127.0.0.1:9", "--num-prompts", "2",
                "--random-input-len", "4", "--random-output-len", "2"])
     assert rc == 2
+
+
+def test_bench_serve_against_the_real_server(tmp_path, tokenizer_ckpt, compile_cache):
+    server = pytest.importorskip("serving.server")
+    from serving.async_llm import AsyncLLM
+    ckpt, _ = tokenizer_ckpt
+    llm = AsyncLLM(str(ckpt), max_num_seqs=8, max_num_batched_tokens=64, max_model_len=96,
+                   token_buckets=[64], seq_buckets=[8], show_progress=False,
+                   compilation_cache_dir=compile_cache)
+    try:
+        app = server.build_app(llm, server.ServerConfig(served_model_name="tiny"))
+        with serve_in_thread(app) as url:
+            report = _bench(tmp_path, url, "--model", "tiny", "--tokenizer", str(ckpt),
+                            "--max-concurrency", "4", "--ignore-eos", "--goodput", "e2el:60000")
+            chat = _bench(tmp_path, url, "--model", "tiny", "--endpoint",
+                          "/v1/chat/completions", "--ignore-eos", "--num-prompts", "2")
+    finally:
+        llm.shutdown()
+    assert report["completed"] == 6 and report["failed"] == 0, report["errors"]
+    _assert_all_metrics(report)
+    assert report["total_output_tokens"] == 6 * OUTPUT_LEN  # ignore_eos: exact lengths
+    assert report["total_input_tokens"] == 6 * 12  # --tokenizer: exact prompt lengths
+    assert report["request_goodput"] == pytest.approx(report["request_throughput"])
+    assert chat["completed"] == 2 and chat["total_output_tokens"] == 2 * OUTPUT_LEN
 
 
 # ---- metric definitions on synthetic data ----------------------------------------------
