@@ -32,6 +32,11 @@ def add_serve_args(p: argparse.ArgumentParser) -> None:
     d.add_argument("--shared-prefix-len", type=int, default=1024)
     d.add_argument("--num-prefix-groups", type=int, default=4)
     d.add_argument("--suffix-len", type=int, default=64)
+    d.add_argument("--token-ids", action="store_true",
+                   help="send random prompts as token ids (completions; exact lengths, no "
+                        "tokenizer needed, e.g. for a dummy-weight preset)")
+    d.add_argument("--random-vocab-size", type=int, default=10000,
+                   help="with --token-ids and no --tokenizer: ids are drawn below this")
     d.add_argument("--seed", type=int, default=0)
     t = p.add_argument_group("traffic")
     t.add_argument("--request-rate", type=_rate, default=float("inf"),

@@ -3,6 +3,8 @@
 With a tokenizer, random text is decoded from random token ids and re-encoded until it
 has exactly the requested number of tokens; without one it is random common words and
 `prompt_len` is an estimate (the server's usage.prompt_tokens replaces it when sent).
+With `token_ids`, prompts are lists of random token ids (exact lengths, no tokenizer:
+for servers of dummy-weight presets, which have none).
 """
 
 from __future__ import annotations
@@ -29,22 +31,27 @@ WORDS = (
 
 @dataclasses.dataclass
 class BenchRequest:
-    prompt: str | None  # completions text; for chat the user message
+    prompt: str | list[int] | None  # completions text or ids; for chat the user message
     prompt_len: int  # tokens (an estimate without a tokenizer)
     output_len: int
-    system: str | None = None  # shared prefix: the chat system message / the text prefix
+    system: str | list[int] | None = None  # shared prefix: chat system message / prefix
     messages: list[dict] | None = None  # a JSONL line's own conversation
 
 
 class TextSource:
     """Random text of a given token length, reproducible from the generator's seed."""
 
-    def __init__(self, tokenizer, rng: np.random.Generator):
-        self.tokenizer, self.rng = tokenizer, rng
+    def __init__(self, tokenizer, rng: np.random.Generator, *, token_ids: bool = False,
+                 vocab_size: int = 10000):
+        self.tokenizer, self.rng, self.token_ids = tokenizer, rng, token_ids
+        self.num_ids = vocab_size
         if tokenizer is not None:  # draw from the ordinary vocabulary, no special tokens
             self.num_ids = tokenizer.backend.get_vocab_size(with_added_tokens=False)
 
-    def text(self, num_tokens: int) -> tuple[str, int]:
+    def text(self, num_tokens: int) -> tuple[str | list[int], int]:
+        if self.token_ids:
+            return self.rng.integers(0, self.num_ids, size=max(num_tokens, 0)).tolist(), \
+                max(num_tokens, 0)
         if num_tokens <= 0:
             return "", 0
         if self.tokenizer is None:
@@ -140,7 +147,11 @@ def load_tokenizer(path: str | None):
 
 
 def build_requests(args, tokenizer=None) -> list[BenchRequest]:
-    source = TextSource(tokenizer, np.random.default_rng(args.seed))
+    if args.token_ids and (args.dataset == "jsonl" or args.endpoint != "/v1/completions"):
+        raise ValueError("--token-ids needs --endpoint /v1/completions and a random or "
+                         "shared-prefix dataset")
+    source = TextSource(tokenizer, np.random.default_rng(args.seed), token_ids=args.token_ids,
+                        vocab_size=args.random_vocab_size)
     if args.dataset == "random":
         return random_requests(source, args.num_prompts, args.random_input_len,
                                args.random_output_len, args.random_range_ratio)

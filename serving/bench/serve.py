@@ -30,9 +30,11 @@ def build_payload(request: BenchRequest, *, model: str | None, chat: bool,
             + [{"role": "user", "content": request.prompt}])
         payload.update(messages=messages, max_completion_tokens=request.output_len)
     else:
-        text = request.prompt if request.prompt is not None else " ".join(
+        prompt = request.prompt if request.prompt is not None else " ".join(
             str(m.get("content", "")) for m in request.messages)
-        payload.update(prompt=(request.system or "") + text, max_tokens=request.output_len)
+        if request.system:
+            prompt = request.system + prompt
+        payload.update(prompt=prompt, max_tokens=request.output_len)
     return payload
 
 

@@ -126,6 +126,17 @@ def test_bench_serve_chat_endpoint_shared_prefix(tmp_path, fake_server):
     assert all(b["max_completion_tokens"] == OUTPUT_LEN for b in state.bodies)
 
 
+def test_bench_serve_token_id_prompts_have_exact_lengths(tmp_path, fake_server):
+    url, state = fake_server
+    report = _bench(tmp_path, url, "--dataset", "shared-prefix", "--token-ids",
+                    "--shared-prefix-len", "20", "--num-prefix-groups", "2", "--suffix-len", "4",
+                    "--no-warmup")
+    assert report["completed"] == 6
+    prompts = [b["prompt"] for b in state.bodies]
+    assert all(len(p) == 24 and all(isinstance(t, int) for t in p) for p in prompts)
+    assert len({tuple(p[:20]) for p in prompts}) == 2
+
+
 def test_bench_serve_counts_failed_requests_without_crashing(tmp_path, fake_server):
     url, _ = fake_server
     data = tmp_path / "prompts.jsonl"
