@@ -11,7 +11,7 @@ _LAZY = {
     "SamplingParams": ("serving.request", "SamplingParams"),
     "RequestOutput": ("serving.request", "RequestOutput"),
     "CompletionOutput": ("serving.request", "CompletionOutput"),
-    "EngineConfig": ("serving.config", "EngineConfig"),
+    "EngineConfig": ("serving.engine_config", "EngineConfig"),
 }
 
 __all__ = ["ModelConfig", "Qwen3ForCausalLM", *_LAZY]

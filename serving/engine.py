@@ -9,11 +9,13 @@ from pathlib import Path
 import jax
 import numpy as np
 
+from qwen_jax.config import ModelConfig
+from qwen_jax.sharding import make_mesh, tp_size
 from qwen_jax.weights import load_model, resolve_model_path
 from serving import kv_cache
 from serving.batch import build_model_inputs
 from serving.buckets import bucket_pairs
-from serving.config import EngineConfig
+from serving.engine_config import EngineConfig
 from serving.kv_cache_manager import KVCacheManager, cdiv
 from serving.output_processor import OutputProcessor, ParentState, SeqState
 from serving.request import Request, RequestOutput, RequestStatus, SamplingParams
@@ -30,14 +32,18 @@ def default_model() -> str:
 
 
 class LLMEngine:
-    def __init__(self, config: EngineConfig):
+    """One engine replica. `devices`: the TP x EP devices of its mesh (default: the first
+    ones); data parallelism runs several replicas (see serving/llm.py)."""
+
+    def __init__(self, config: EngineConfig, devices=None):
         self.config = config
         cache_dir = config.compilation_cache_dir
         enable_compilation_cache(default_compilation_cache_dir() if cache_dir == "default" else cache_dir)
         started = time.perf_counter()
         self.model_path = resolve_model_path(config.model or default_model())
+        self.mesh = self._make_mesh(devices)
         self.model = load_model(self.model_path, dtype=self._dtype(), impl=self._impl(),
-                                load_format=config.load_format, seed=config.seed)
+                                load_format=config.load_format, seed=config.seed, mesh=self.mesh)
         self.load_seconds = time.perf_counter() - started
         self.model_config = self.model.config
         self.tokenizer = self._load_tokenizer()
@@ -61,6 +67,14 @@ class LLMEngine:
             return self.config.dtype
         return "bfloat16" if jax.default_backend() == "gpu" else "float32"
 
+    def _make_mesh(self, devices):
+        parallel = self.config.parallel
+        if parallel.replica_size == 1 and devices is None:
+            return None  # one device: plain jit, no shard_map
+        devices = list(devices if devices is not None else jax.devices())
+        parallel.validate(ModelConfig.from_hf(self.model_path), len(jax.devices()))
+        return make_mesh(parallel.tensor_parallel_size, parallel.expert_parallel_size, devices)
+
     def _impl(self) -> str | None:
         return None if self.config.impl == "auto" else self.config.impl
 
@@ -79,13 +93,16 @@ class LLMEngine:
         self.pages_per_seq = sched.pages_per_seq(cache.block_size)
         dtype = kv_cache.kv_cache_dtype(cache.kv_cache_dtype, self.model.dtype)
         max_pages = 1 + sched.max_num_seqs * self.pages_per_seq
-        self.num_pages = kv_cache.num_pages_to_allocate(self.model_config, cache, max_pages, dtype)
-        self.bytes_per_page = kv_cache.bytes_per_page(self.model_config, cache.block_size, dtype)
+        heads = self.model.num_cache_kv_heads // tp_size(self.mesh)  # per device
+        self.bytes_per_page = kv_cache.bytes_per_page(self.model_config, cache.block_size, dtype,
+                                                      heads)
+        self.num_pages = kv_cache.num_pages_to_allocate(cache, self.bytes_per_page, max_pages)
         caches = kv_cache.allocate(self.model, self.num_pages, cache.block_size, dtype)
         self.kv_manager = KVCacheManager(self.num_pages, cache.block_size,
                                          cache.enable_prefix_caching)
         self.scheduler = Scheduler(sched, self.kv_manager)
-        self.runner = ModelRunner(self.model, caches, max_model_len=sched.max_model_len)
+        self.runner = ModelRunner(self.model, caches, max_model_len=sched.max_model_len,
+                                  mesh=self.mesh)
         self.bucket_pairs = bucket_pairs(sched.token_bucket_sizes, sched.seq_bucket_sizes)
 
     @property

@@ -22,10 +22,12 @@ def kv_cache_dtype(name: str, model_dtype):
     return _KV_DTYPES[name] or model_dtype
 
 
-def bytes_per_page(model_config, block_size: int, dtype) -> int:
-    """K and V of every layer for one page of `block_size` tokens."""
-    return (2 * model_config.num_hidden_layers * block_size * model_config.num_key_value_heads
-            * model_config.head_dim * jnp.dtype(dtype).itemsize)
+def bytes_per_page(model_config, block_size: int, dtype, num_kv_heads: int | None = None) -> int:
+    """K and V of every layer for one page of `block_size` tokens, on one device holding
+    `num_kv_heads` heads (default: all of the model's)."""
+    heads = model_config.num_key_value_heads if num_kv_heads is None else num_kv_heads
+    return (2 * model_config.num_hidden_layers * block_size * heads * model_config.head_dim
+            * jnp.dtype(dtype).itemsize)
 
 
 def free_device_bytes(device=None) -> int | None:
@@ -36,13 +38,12 @@ def free_device_bytes(device=None) -> int | None:
     return int(stats["bytes_limit"]) - int(stats.get("bytes_in_use", 0))
 
 
-def num_pages_to_allocate(model_config, cache_config, max_pages_needed: int, dtype) -> int:
+def num_pages_to_allocate(cache_config, per_page: int, max_pages_needed: int) -> int:
     """Pages (page 0, the scratch page, included) the cache gets.
 
     `num_gpu_blocks_override` wins; otherwise `gpu_memory_utilization` of the device memory
     the weights leave free, or a fixed budget on CPU, never more than `max_pages_needed`.
     """
-    per_page = bytes_per_page(model_config, cache_config.block_size, dtype)
     if cache_config.num_gpu_blocks_override is not None:
         return int(cache_config.num_gpu_blocks_override)
     free = free_device_bytes()

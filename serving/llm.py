@@ -6,19 +6,23 @@ import dataclasses
 import itertools
 from collections.abc import Sequence
 
-from serving.config import CacheConfig, EngineConfig, SchedulerConfig
+from qwen_jax.sharding import ParallelConfig
+from serving.config import CacheConfig, SchedulerConfig
+from serving.engine_config import EngineConfig
 from serving.engine import LLMEngine
 from serving.request import RequestOutput, SamplingParams
 
 _CACHE_FIELDS = {f.name for f in dataclasses.fields(CacheConfig)}
 _SCHED_FIELDS = {f.name for f in dataclasses.fields(SchedulerConfig)}
-_ENGINE_FIELDS = {f.name for f in dataclasses.fields(EngineConfig)} - {"cache", "scheduler"}
+_PARALLEL_FIELDS = {f.name for f in dataclasses.fields(ParallelConfig)}
+_ENGINE_FIELDS = ({f.name for f in dataclasses.fields(EngineConfig)}
+                  - {"cache", "scheduler", "parallel"})
 _ALIASES = {"kv_cache_fraction": "gpu_memory_utilization"}
 
 
 def engine_config_from_kwargs(model=None, **kwargs) -> EngineConfig:
     """vLLM-style flat keyword arguments -> EngineConfig (unknown names are an error)."""
-    groups = {"cache": {}, "scheduler": {}, "engine": {}}
+    groups = {"cache": {}, "scheduler": {}, "parallel": {}, "engine": {}}
     for name, value in kwargs.items():
         name = _ALIASES.get(name, name)
         if value is None and name not in ("num_gpu_blocks_override", "max_waiting"):
@@ -27,19 +31,40 @@ def engine_config_from_kwargs(model=None, **kwargs) -> EngineConfig:
             groups["cache"][name] = value
         elif name in _SCHED_FIELDS:
             groups["scheduler"][name] = value
+        elif name in _PARALLEL_FIELDS:
+            groups["parallel"][name] = value
         elif name in _ENGINE_FIELDS:
             groups["engine"][name] = value
         else:
             raise TypeError(f"unknown engine argument {name!r}")
     return EngineConfig(model=model, cache=CacheConfig(**groups["cache"]),
-                        scheduler=SchedulerConfig(**groups["scheduler"]), **groups["engine"])
+                        scheduler=SchedulerConfig(**groups["scheduler"]),
+                        parallel=ParallelConfig(**groups["parallel"]), **groups["engine"])
+
+
+def make_engines(config: EngineConfig) -> list[LLMEngine]:
+    """One engine per data-parallel replica, each on its own TP x EP devices."""
+    parallel = config.parallel
+    if parallel.data_parallel_size == 1:
+        return [LLMEngine(config)]
+    import jax
+    devices = jax.devices()
+    if parallel.world_size > len(devices):
+        raise ValueError(f"data_parallel_size x tensor_parallel_size x expert_parallel_size = "
+                         f"{parallel.world_size} exceeds the {len(devices)} devices available")
+    size = parallel.replica_size
+    return [LLMEngine(config, devices=devices[i * size:(i + 1) * size])
+            for i in range(parallel.data_parallel_size)]
 
 
 class LLM:
-    """Offline generation. `LLM()` serves the tiny model embedded in the package."""
+    """Offline generation. `LLM()` serves the tiny model embedded in the package.
+    With data_parallel_size > 1 each replica is an engine of its own; requests go to the
+    replica with the fewest unfinished ones."""
 
     def __init__(self, model: str | None = None, **kwargs):
-        self.llm_engine = LLMEngine(engine_config_from_kwargs(model, **kwargs))
+        self.engines = make_engines(engine_config_from_kwargs(model, **kwargs))
+        self.llm_engine = self.engines[0]
         self._counter = itertools.count()
 
     def get_tokenizer(self):
@@ -59,12 +84,13 @@ class LLM:
         try:
             for i, (prompt, p) in enumerate(zip(prompts, params)):
                 rid = str(next(self._counter))
-                self.llm_engine.add_request(rid, prompt, p,
-                                            priority=priority[i] if priority else 0)
+                engine = min(self.engines, key=lambda e: len(e.request_ids()))
+                engine.add_request(rid, prompt, p, priority=priority[i] if priority else 0)
                 ids.append(rid)
         except Exception:
             for rid in ids:
-                self.llm_engine.abort(rid)
+                for engine in self.engines:
+                    engine.abort(rid)
             raise
         return self._run(ids, use_tqdm)
 
@@ -72,11 +98,12 @@ class LLM:
         from tqdm import tqdm
         finished: dict[str, RequestOutput] = {}
         with tqdm(total=len(ids), desc="generating", disable=not use_tqdm) as bar:
-            while self.llm_engine.has_unfinished_requests():
-                for output in self.llm_engine.step():
-                    if output.finished:
-                        finished[output.request_id] = output
-                        bar.update(1)
+            while any(e.has_unfinished_requests() for e in self.engines):
+                for engine in self.engines:
+                    for output in engine.step():
+                        if output.finished:
+                            finished[output.request_id] = output
+                            bar.update(1)
         return [finished[rid] for rid in ids]
 
     def chat(self, messages, sampling_params=None, *, chat_template_kwargs: dict | None = None,
@@ -92,4 +119,15 @@ class LLM:
         return self.generate(prompts, sampling_params, use_tqdm=use_tqdm)
 
     def stats(self) -> dict:
-        return self.llm_engine.stats()
+        """Engine stats; with several replicas, counts are summed over them."""
+        if len(self.engines) == 1:
+            return self.llm_engine.stats()
+        per = [e.stats() for e in self.engines]
+        total = {k: sum(s[k] for s in per) for k, v in per[0].items()
+                 if isinstance(v, (int, float)) and k != "bytes_per_page"}
+        total["kv_cache_usage"] = 1 - total["num_free_pages"] / total["num_total_pages"]
+        queries = total["prefix_cache_queries"]
+        total["prefix_cache_hit_rate"] = total["prefix_cache_hits"] / queries if queries else 0.0
+        total["bytes_per_page"] = per[0]["bytes_per_page"]
+        total["replicas"] = per
+        return total

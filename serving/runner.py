@@ -14,6 +14,7 @@ import numpy as np
 from flax import nnx
 
 from qwen_jax.attention import AttentionMetadata
+from qwen_jax.sharding import replicated
 from serving.batch import ModelInputs
 from serving.sampler import SamplingArrays, build_sampling_arrays, sample
 
@@ -38,12 +39,18 @@ def enable_compilation_cache(directory: str | None) -> None:
 class ModelRunner:
     """Owns the params, the KV cache and the compiled steps."""
 
-    def __init__(self, model, kv_caches, *, max_model_len: int):
+    def __init__(self, model, kv_caches, *, max_model_len: int, mesh=None):
         self.graphdef, self.state = nnx.split(model)
         self.kv_caches = kv_caches
         self.max_model_len = max_model_len
         self.num_compiles = 0  # traces of the step == executables built
-        self._step = jax.jit(self._step_impl, donate_argnums=(1,))
+        # Under a mesh the host inputs go to every device (replicated) and the caches keep
+        # their kv-head shards across steps.
+        self._inputs_sharding = None if mesh is None else replicated(mesh)
+        cache_shardings = None if mesh is None else jax.tree.map(lambda x: x.sharding, kv_caches)
+        self._step = jax.jit(self._step_impl, donate_argnums=(1,),
+                             out_shardings=None if mesh is None else (cache_shardings,
+                                                                      replicated(mesh)))
 
     def _step_impl(self, state, kv_caches, inputs: dict, sampling: SamplingArrays):
         self.num_compiles += 1  # runs only while tracing: once per new bucket shape
@@ -58,7 +65,10 @@ class ModelRunner:
 
     def execute(self, inputs: ModelInputs, sampling: SamplingArrays) -> dict[str, np.ndarray]:
         """Run one step; returns host arrays (token, logprob, rank, top_ids, top_logprobs)."""
-        self.kv_caches, out = self._step(self.state, self.kv_caches, inputs.arrays(), sampling)
+        arrays = (inputs.arrays(), sampling)
+        if self._inputs_sharding is not None:
+            arrays = jax.device_put(arrays, self._inputs_sharding)
+        self.kv_caches, out = self._step(self.state, self.kv_caches, *arrays)
         return jax.device_get(out)
 
     def precompile(self, pairs, pages_per_seq: int, progress: bool = True) -> float:
