@@ -123,7 +123,7 @@ def make_mesh(tensor_parallel_size: int = 1, expert_parallel_size: int = 1,
     return Mesh(grid, MESH_AXES, axis_types=(AxisType.Auto,) * 3)
 
 
-def tp_size(mesh: Mesh | None) -> int:
+def tp_size(mesh) -> int:
     return 1 if mesh is None else mesh.shape["model"]
 
 

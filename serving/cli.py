@@ -158,8 +158,40 @@ def _run_serve(args) -> int:
     return run(args, engine_kwargs(args))
 
 
+# ---- plan ------------------------------------------------------------------------------
+def _add_plan(subparsers) -> None:
+    p = subparsers.add_parser(
+        "plan", help="memory plan: per-device weights, KV pages and tokens for a layout")
+    p.add_argument("--model", required=True, help="checkpoint directory or preset name")
+    p.add_argument("--dtype", default="bfloat16", choices=DTYPES)
+    p.add_argument("--tensor-parallel-size", "-tp", type=int, default=1)
+    p.add_argument("--expert-parallel-size", "-ep", type=int, default=1)
+    p.add_argument("--device-memory-gb", type=float, default=141.0,
+                   help="memory of one device in GB (default: an H200's 141)")
+    p.add_argument("--gpu-memory-utilization", type=float, default=0.9)
+    p.add_argument("--block-size", type=int, default=16)
+    p.set_defaults(func=_run_plan)
+
+
+def _run_plan(args) -> int:
+    from qwen_jax.config import ModelConfig
+    from qwen_jax.planner import plan_memory
+    try:
+        plan = plan_memory(ModelConfig.from_hf(args.model), dtype=args.dtype,
+                           tensor_parallel_size=args.tensor_parallel_size,
+                           expert_parallel_size=args.expert_parallel_size,
+                           device_memory_bytes=int(args.device_memory_gb * 1e9),
+                           gpu_memory_utilization=args.gpu_memory_utilization,
+                           block_size=args.block_size)
+    except ValueError as exc:
+        print(f"error: {exc}", file=sys.stderr)
+        return 1
+    print(f"{args.model} ({args.dtype}) {plan.summary()}")
+    return 0
+
+
 # ---- dispatch --------------------------------------------------------------------------
-SUBCOMMANDS = (_add_convert, _add_generate, _add_bench, _add_serve)
+SUBCOMMANDS = (_add_convert, _add_generate, _add_bench, _add_serve, _add_plan)
 
 
 def build_parser() -> argparse.ArgumentParser:

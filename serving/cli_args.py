@@ -42,6 +42,18 @@ def add_engine_args(parser: argparse.ArgumentParser) -> None:
     g.add_argument("--compilation-cache-dir", default="default",
                    help="persistent XLA cache ('' disables)")
     g.add_argument("--no-precompile", action="store_false", dest="precompile")
+    add_parallel_args(parser)
+
+
+def add_parallel_args(parser: argparse.ArgumentParser) -> None:
+    g = parser.add_argument_group("parallelism")
+    g.add_argument("--tensor-parallel-size", "-tp", type=int, default=1)
+    g.add_argument("--expert-parallel-size", "-ep", type=int, default=1)
+    g.add_argument("--data-parallel-size", "-dp", type=int, default=1)
+    g.add_argument("--coordinator-address", default=None,
+                   help="multi-host: host:port of process 0 (jax.distributed)")
+    g.add_argument("--num-processes", type=int, default=None)
+    g.add_argument("--process-id", type=int, default=None)
 
 
 ENGINE_ARG_NAMES = (
@@ -49,7 +61,7 @@ ENGINE_ARG_NAMES = (
     "max_num_batched_tokens", "max_model_len", "block_size", "num_gpu_blocks_override",
     "gpu_memory_utilization", "kv_cache_dtype", "enable_prefix_caching", "policy",
     "max_waiting", "watermark", "token_buckets", "seq_buckets", "compilation_cache_dir",
-    "precompile")
+    "precompile", "tensor_parallel_size", "expert_parallel_size", "data_parallel_size")
 
 
 def engine_kwargs(args: argparse.Namespace) -> dict:

@@ -1,0 +1,88 @@
+"""Memory planner: per-device weight bytes, KV pages that fit, max concurrent tokens, for a
+config, dtype, TP x EP layout and device memory; refuses layouts that cannot fit."""
+
+from __future__ import annotations
+
+import dataclasses
+import math
+
+import jax
+import numpy as np
+from flax import nnx
+
+from qwen_jax.config import ModelConfig
+from qwen_jax.sharding import kv_replication, param_logical_axes, spec_for
+
+
+@dataclasses.dataclass(frozen=True)
+class _MeshShape:
+    """Just the axis sizes: planning needs no devices."""
+
+    shape: dict
+
+
+@dataclasses.dataclass(frozen=True)
+class MemoryPlan:
+    tensor_parallel_size: int
+    expert_parallel_size: int
+    device_memory_bytes: int
+    usable_bytes: int  # device memory x gpu_memory_utilization
+    weight_bytes_per_device: int
+    kv_bytes_per_page_per_device: int
+    num_pages: int
+    block_size: int
+
+    @property
+    def max_concurrent_tokens(self) -> int:
+        return self.num_pages * self.block_size
+
+    def summary(self) -> str:
+        gb = 1e9
+        return (f"TP={self.tensor_parallel_size} x EP={self.expert_parallel_size}: weights "
+                f"{self.weight_bytes_per_device / gb:.1f} GB/device of "
+                f"{self.usable_bytes / gb:.1f} GB usable; KV "
+                f"{self.kv_bytes_per_page_per_device / 2**10:.0f} KiB/page/device -> "
+                f"{self.num_pages:,} pages = {self.max_concurrent_tokens:,} tokens")
+
+
+def _itemsize(dtype) -> int:
+    return np.dtype(dtype).itemsize
+
+
+def weight_bytes_per_device(cfg: ModelConfig, dtype, tp: int, ep: int) -> int:
+    """Bytes of the largest shard set one device holds, from abstract shapes alone."""
+    from qwen_jax.weights import abstract_model
+    mesh = _MeshShape({"data": 1, "expert": ep, "model": tp})
+    total = 0
+    for path, var in nnx.to_flat_state(nnx.state(abstract_model(cfg, dtype), nnx.Param)):
+        shape = var.get_value().shape
+        spec = spec_for(param_logical_axes(path), shape, mesh, cfg.num_key_value_heads)
+        factor = math.prod(mesh.shape[a] for a in spec if a is not None)
+        total += math.prod(shape) // factor * _itemsize(dtype)
+    return total
+
+
+def plan_memory(cfg: ModelConfig, *, dtype="bfloat16", tensor_parallel_size: int = 1,
+                expert_parallel_size: int = 1, device_memory_bytes: int,
+                gpu_memory_utilization: float = 0.9, block_size: int = 16,
+                kv_cache_dtype=None) -> MemoryPlan:
+    """Raise ValueError (with the numbers) when the weights leave no room for the cache."""
+    from qwen_jax.weights import resolve_dtype
+    dtype = resolve_dtype(dtype)
+    tp, ep = tensor_parallel_size, expert_parallel_size
+    weights = weight_bytes_per_device(cfg, dtype, tp, ep)
+    usable = int(device_memory_bytes * gpu_memory_utilization)
+    heads = cfg.num_key_value_heads * kv_replication(cfg.num_key_value_heads,
+                                                    _MeshShape({"model": tp})) // tp
+    per_page = (2 * cfg.num_hidden_layers * block_size * max(heads, 1) * cfg.head_dim
+                * _itemsize(kv_cache_dtype or dtype))
+    num_pages = (usable - weights) // per_page
+    if num_pages < 1:
+        raise ValueError(
+            f"layout cannot fit: weights need {weights / 1e9:.1f} GB per device with "
+            f"tensor_parallel_size={tp} x expert_parallel_size={ep} in {np.dtype(dtype).name}, "
+            f"but only {usable / 1e9:.1f} GB are usable (gpu_memory_utilization="
+            f"{gpu_memory_utilization} of {device_memory_bytes / 1e9:.1f} GB); add devices "
+            f"or use a smaller dtype")
+    return MemoryPlan(tp, ep, int(device_memory_bytes), usable, weights, per_page,
+                      int(num_pages), block_size)

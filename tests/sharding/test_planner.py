@@ -1,0 +1,59 @@
+"""The memory planner, from abstract shapes only (no device memory is allocated)."""
+
+import jax
+import pytest
+
+from qwen_jax.config import ModelConfig
+from qwen_jax.planner import plan_memory, weight_bytes_per_device
+from serving.cli import main
+
+H200 = 141e9
+
+
+def test_235b_bf16_fits_on_8_h200_with_its_kv_capacity():
+    plan = plan_memory(ModelConfig.from_hf("qwen3-235b-a22b"), dtype="bfloat16",
+                       tensor_parallel_size=8, device_memory_bytes=H200)
+    # 235 B params x 2 bytes / 8 devices, plus the replicated norms and router.
+    assert 58e9 < plan.weight_bytes_per_device < 61e9
+    # 94 layers x 16 tokens x one kv head (4 heads over TP 8: one copy each) x 128 x 2 x 2 B
+    assert plan.kv_bytes_per_page_per_device == 2 * 94 * 16 * 1 * 128 * 2
+    assert plan.max_concurrent_tokens > 1_000_000
+    assert plan.num_pages == (plan.usable_bytes - plan.weight_bytes_per_device) // \
+        plan.kv_bytes_per_page_per_device
+
+
+def test_30b_on_one_h200_reports_kv_capacity():
+    plan = plan_memory(ModelConfig.from_hf("qwen3-30b-a3b"), dtype="bfloat16",
+                       device_memory_bytes=H200)
+    assert 60e9 < plan.weight_bytes_per_device < 62e9  # 30.5 B x 2 bytes
+    assert plan.kv_bytes_per_page_per_device == 16 * 96 * 1024  # 96 KiB per token
+    assert 600_000 < plan.max_concurrent_tokens < 700_000
+
+
+def test_235b_bf16_on_one_h200_is_refused_with_the_numbers():
+    with pytest.raises(ValueError, match=r"470\.\d GB per device.*tensor_parallel_size=1"):
+        plan_memory(ModelConfig.from_hf("qwen3-235b-a22b"), dtype="bfloat16",
+                    device_memory_bytes=H200)
+
+
+def test_expert_parallel_divides_expert_weights():
+    cfg = ModelConfig.from_hf("qwen3-30b-a3b")
+    one = weight_bytes_per_device(cfg, "bfloat16", 1, 1)
+    ep8 = weight_bytes_per_device(cfg, "bfloat16", 1, 8)
+    # Experts are ~95% of the bytes: EP=8 leaves 1/8 of them plus the replicated rest.
+    assert ep8 < one / 5
+
+
+def test_planning_allocates_no_device_memory():
+    before = {id(x) for x in jax.live_arrays()}
+    plan_memory(ModelConfig.from_hf("qwen3-235b-a22b"), tensor_parallel_size=8,
+                device_memory_bytes=H200)
+    new = [x for x in jax.live_arrays() if id(x) not in before]
+    assert sum(x.nbytes for x in new) < 1 << 20
+
+
+def test_plan_command_prints_and_refuses(capsys):
+    assert main(["plan", "--model", "qwen3-30b-a3b"]) == 0
+    assert "tokens" in capsys.readouterr().out
+    assert main(["plan", "--model", "qwen3-235b-a22b"]) == 1
+    assert "cannot fit" in capsys.readouterr().err
