@@ -12,7 +12,7 @@ import pytest
 from tests.server.conftest import ServerThread, wait_idle
 
 C, CHAT = "/v1/completions", "/v1/chat/completions"
-OK = {"prompt": "hi", "max_tokens": 2}
+OK = {"prompt": "hi", "max_tokens": 2, "temperature": 0}
 USER = [{"role": "user", "content": "hi"}]
 
 

@@ -22,7 +22,8 @@ def bounded_server(tiny_model_dir, compile_cache):
 
 
 async def fire(session, url, stream):
-    body = {"prompt": "load", "max_tokens": 40, "ignore_eos": True, "stream": stream}
+    body = {"prompt": "load", "max_tokens": 40, "ignore_eos": True, "temperature": 0,
+            "stream": stream}
     async with session.post(url + "/v1/completions", json=body) as r:
         if r.status != 200:
             return r.status, r.headers.get("Retry-After"), await r.json()
