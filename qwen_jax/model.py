@@ -116,7 +116,7 @@ class Qwen3ForCausalLM(nnx.Module):
         dtype = dtype or self.dtype
         device = None if self.mesh is None else sharding.kv_cache_sharding(self.mesh)
         shape = lambda count: (count * num_pages, page_size, self.num_cache_kv_heads, cfg.head_dim)
-        zeros = lambda count: jnp.zeros(shape(count), dtype, device=device)
+        zeros = lambda count: sharding.zeros(shape(count), dtype, device)
         return [(zeros(c), zeros(c)) for _, _, c in cfg.segments]
 
     # ---- full-sequence path ------------------------------------------------------------

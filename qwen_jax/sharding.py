@@ -178,3 +178,11 @@ def kv_cache_sharding(mesh: Mesh) -> NamedSharding:
 
 def replicated(mesh: Mesh) -> NamedSharding:
     return NamedSharding(mesh, PartitionSpec())
+
+
+def zeros(shape, dtype, target: NamedSharding | None = None) -> jax.Array:
+    """Zeros created in their shards (also when the mesh spans several processes)."""
+    import jax.numpy as jnp
+    if target is None:
+        return jnp.zeros(shape, dtype)
+    return jax.jit(lambda: jnp.zeros(shape, dtype), out_shardings=target)()

@@ -203,7 +203,7 @@ def load_safetensors(directory, cfg: ModelConfig, dtype, *, impl=None, mesh=None
             seg, sub = path[1], tuple(path[2:])
             _, first, count = cfg.segments[seg]
             layer_target = None if target is None else NamedSharding(mesh, P(*target.spec[1:]))
-            buffer = jnp.zeros(shape, vdtype, device=target)
+            buffer = sharding.zeros(shape, vdtype, target)
             for j in range(count):
                 host = hf_layer_tensor(reader, cfg, first + j, sub, shape[1:])
                 buffer = _set_layer(buffer, _to_device(host, layer_target, vdtype), j)

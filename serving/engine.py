@@ -12,7 +12,7 @@ import numpy as np
 from qwen_jax.config import ModelConfig
 from qwen_jax.sharding import make_mesh, tp_size
 from qwen_jax.weights import load_model, resolve_model_path
-from serving import kv_cache
+from serving import distributed, kv_cache
 from serving.batch import build_model_inputs
 from serving.buckets import bucket_pairs
 from serving.engine_config import EngineConfig
@@ -214,6 +214,8 @@ class LLMEngine:
         sampling = build_sampling_arrays(
             [self._sampling_entry(s.request) for s in out.scheduled], inputs.padded_num_seqs,
             self.max_model_len)
+        if distributed.is_multiprocess():
+            distributed.publish_step(inputs, sampling)
         started = time.perf_counter()
         result = self.runner.execute(inputs, sampling)
         self.last_step = {"num_tokens": inputs.num_tokens, "num_seqs": out.num_seqs,

@@ -67,9 +67,16 @@ class ModelRunner:
         """Run one step; returns host arrays (token, logprob, rank, top_ids, top_logprobs)."""
         arrays = (inputs.arrays(), sampling)
         if self._inputs_sharding is not None:
-            arrays = jax.device_put(arrays, self._inputs_sharding)
+            arrays = jax.tree.map(self._replicate, arrays)
         self.kv_caches, out = self._step(self.state, self.kv_caches, *arrays)
         return jax.device_get(out)
+
+    def _replicate(self, host: np.ndarray) -> jax.Array:
+        """Host array -> global replicated array; works across processes too, where each
+        process holds the same (broadcast) values."""
+        host = np.asarray(host)
+        return jax.make_array_from_callback(host.shape, self._inputs_sharding,
+                                            lambda index: host[index])
 
     def precompile(self, pairs, pages_per_seq: int, progress: bool = True) -> float:
         """Compile every (T, S) bucket up front by running it on an all-padding batch."""
