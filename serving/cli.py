@@ -205,9 +205,32 @@ def build_parser() -> argparse.ArgumentParser:
 
 
 def main(argv: list[str] | None = None) -> int:
-    """Console entry point: parse `argv` (default sys.argv[1:]) and run the subcommand."""
+    """Console entry point: parse `argv` (default sys.argv[1:]) and run the subcommand.
+
+    Multi-host (`--coordinator-address`): every process joins `jax.distributed`; process 0
+    runs the command (and its scheduler), the others follow its steps until it stops."""
     args = build_parser().parse_args(argv)
-    return args.func(args)
+    if getattr(args, "coordinator_address", None) is None:
+        return args.func(args)
+    from serving import distributed
+    distributed.initialize(args.coordinator_address, args.num_processes, args.process_id)
+    if not distributed.is_leader():
+        return _run_follower(args)
+    try:
+        return args.func(args)
+    finally:
+        distributed.publish_stop()
+
+
+def _run_follower(args) -> int:
+    from serving import distributed
+    from serving.cli_args import engine_kwargs
+    from serving.engine import LLMEngine
+    from serving.llm import engine_config_from_kwargs
+    engine = LLMEngine(engine_config_from_kwargs(args.model, **engine_kwargs(args)))
+    steps = distributed.follower_loop(engine)
+    print(f"process {args.process_id}: followed {steps} steps; leader stopped")
+    return 0
 
 
 if __name__ == "__main__":
