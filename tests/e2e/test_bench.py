@@ -236,3 +236,16 @@ def test_goodput_counts_requests_meeting_every_slo():
 def test_parse_goodput_rejects_bad_entries(bad):
     with pytest.raises(ValueError, match="goodput"):
         parse_goodput([bad])
+
+
+@pytest.mark.parametrize("argv, message", [
+    (["--input-len", "100", "--output-len", "50", "--max-model-len", "128"], "max-model-len"),
+    (["--num-prompts", "0"], "num-prompts"),
+])
+def test_bench_throughput_rejects_bad_lengths_before_loading(argv, message):
+    from serving.bench.throughput import bench_throughput
+    from serving.cli import build_parser
+    from serving.cli_args import engine_kwargs
+    args = build_parser().parse_args(["bench", "throughput", "--model", "no-such-model", *argv])
+    with pytest.raises(ValueError, match=message):
+        bench_throughput(args, engine_kwargs(args))
