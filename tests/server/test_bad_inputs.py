@@ -242,3 +242,15 @@ async def test_api_key_is_required_on_v1_routes(keyed_server, headers, status):
     assert got == status
     if status == 401:
         assert body["error"]["code"] == 401 and body["error"]["type"] == "AuthenticationError"
+
+
+async def test_chunked_body_past_the_limit_is_413(server):
+    async def chunks():
+        yield b'{"prompt": "'
+        for _ in range(10):
+            yield b"x" * 2**20
+        yield b'"}'
+    async with aiohttp.ClientSession() as s:
+        async with s.post(server.url + C, data=chunks()) as r:
+            body = await r.json()
+    assert r.status == 413 and body["error"]["code"] == 413
