@@ -5,12 +5,15 @@ from __future__ import annotations
 import asyncio
 import dataclasses
 import json
+import math
 import time
 from collections.abc import AsyncIterator
 
 from serving import openai_protocol as proto
 from serving.metrics import Metrics
 from serving.request import CompletionOutput, RequestOutput, SamplingParams
+
+LOGPROB_FLOOR = -9999.0  # JSON has no -inf; vLLM clamps the same way
 
 
 def sse(payload: dict) -> bytes:
@@ -52,6 +55,44 @@ async def merge(gens: list) -> AsyncIterator[tuple[int, RequestOutput]]:
         for task in tasks:
             task.cancel()
         await asyncio.gather(*tasks, return_exceptions=True)
+
+
+def _clamp(logprob: float) -> float:
+    return LOGPROB_FLOOR if math.isnan(logprob) else max(logprob, LOGPROB_FLOOR)
+
+
+def _ranked(entry: dict, k: int) -> list:
+    return sorted((lp for lp in entry.values() if lp.rank is not None and lp.rank <= k),
+                  key=lambda lp: lp.rank)[:k]
+
+
+def completion_logprobs(token_ids: list[int], entries: list[dict], k: int,
+                        text_offset: int = 0) -> dict:
+    """OpenAI completions `logprobs` (tokens, token_logprobs, top_logprobs, text_offset)."""
+    out = {"tokens": [], "token_logprobs": [], "top_logprobs": [], "text_offset": []}
+    for token_id, entry in zip(token_ids, entries):
+        sampled = entry[token_id]
+        token = sampled.decoded_token or ""
+        top = {lp.decoded_token or "": _clamp(lp.logprob) for lp in _ranked(entry, k)}
+        top.setdefault(token, _clamp(sampled.logprob))
+        out["tokens"].append(token)
+        out["token_logprobs"].append(_clamp(sampled.logprob))
+        out["top_logprobs"].append(top)
+        out["text_offset"].append(text_offset)
+        text_offset += len(token)
+    return out
+
+
+def _chat_token(lp) -> dict:
+    token = lp.decoded_token or ""
+    return {"token": token, "logprob": _clamp(lp.logprob), "bytes": list(token.encode())}
+
+
+def chat_logprobs(token_ids: list[int], entries: list[dict], k: int) -> dict:
+    """OpenAI chat `logprobs`: {"content": [{token, logprob, bytes, top_logprobs}]}."""
+    return {"content": [{**_chat_token(entry[t]),
+                         "top_logprobs": [_chat_token(lp) for lp in _ranked(entry, k)]}
+                        for t, entry in zip(token_ids, entries)]}
 
 
 @dataclasses.dataclass(eq=False)
@@ -110,8 +151,8 @@ class Job:
             return None
         ids, entries = c.token_ids[start:stop], c.logprobs[start:stop]
         if self.chat:
-            return proto.chat_logprobs(ids, entries, self.req.logprobs)
-        return proto.completion_logprobs(ids, entries, self.req.logprobs, text_offset)
+            return chat_logprobs(ids, entries, self.req.logprobs)
+        return completion_logprobs(ids, entries, self.req.logprobs, text_offset)
 
     def _choice(self, index: int, c: CompletionOutput, text: str, start: int, stop: int,
                 finish_reason: str | None, *, delta: dict | None = None,

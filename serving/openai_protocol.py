@@ -21,7 +21,6 @@ MAX_REPETITION_PENALTY = 100.0
 MAX_STOP_STRINGS = 16
 MAX_STOP_TOKEN_IDS = 256
 MAX_BATCH_PROMPTS = 64
-LOGPROB_FLOOR = -9999.0  # JSON has no -inf; vLLM clamps the same way
 ERROR_TYPES = {400: "BadRequestError", 401: "AuthenticationError", 404: "NotFoundError",
                405: "MethodNotAllowedError", 413: "RequestEntityTooLargeError",
                429: "RateLimitError", 500: "InternalServerError",
@@ -327,44 +326,6 @@ def sampling_params(req: ParsedRequest, num_prompt_tokens: int, max_model_len: i
 
 
 # ---- responses -------------------------------------------------------------------------
-def _clamp(logprob: float) -> float:
-    return LOGPROB_FLOOR if math.isnan(logprob) else max(logprob, LOGPROB_FLOOR)
-
-
-def _ranked(entry: dict, k: int) -> list:
-    return sorted((lp for lp in entry.values() if lp.rank is not None and lp.rank <= k),
-                  key=lambda lp: lp.rank)[:k]
-
-
-def completion_logprobs(token_ids: list[int], entries: list[dict], k: int,
-                        text_offset: int = 0) -> dict:
-    """OpenAI completions `logprobs` (tokens, token_logprobs, top_logprobs, text_offset)."""
-    out = {"tokens": [], "token_logprobs": [], "top_logprobs": [], "text_offset": []}
-    for token_id, entry in zip(token_ids, entries):
-        sampled = entry[token_id]
-        token = sampled.decoded_token or ""
-        top = {lp.decoded_token or "": _clamp(lp.logprob) for lp in _ranked(entry, k)}
-        top.setdefault(token, _clamp(sampled.logprob))
-        out["tokens"].append(token)
-        out["token_logprobs"].append(_clamp(sampled.logprob))
-        out["top_logprobs"].append(top)
-        out["text_offset"].append(text_offset)
-        text_offset += len(token)
-    return out
-
-
-def _chat_token(lp) -> dict:
-    token = lp.decoded_token or ""
-    return {"token": token, "logprob": _clamp(lp.logprob), "bytes": list(token.encode())}
-
-
-def chat_logprobs(token_ids: list[int], entries: list[dict], k: int) -> dict:
-    """OpenAI chat `logprobs`: {"content": [{token, logprob, bytes, top_logprobs}]}."""
-    return {"content": [{**_chat_token(entry[t]),
-                         "top_logprobs": [_chat_token(lp) for lp in _ranked(entry, k)]}
-                        for t, entry in zip(token_ids, entries)]}
-
-
 def usage(num_prompt_tokens: int, num_completion_tokens: int) -> dict:
     return {"prompt_tokens": num_prompt_tokens, "completion_tokens": num_completion_tokens,
             "total_tokens": num_prompt_tokens + num_completion_tokens}
