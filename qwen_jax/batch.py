@@ -221,7 +221,7 @@ class _BatchRun:
 
     def submit(self, item: BatchItem, bar) -> None:
         try:
-            self.engine.add_request(item.key, item.prompt, item.sampling_params)
+            self.engine.add_request(item.key, item.prompt, item.sampling_params, stream=False)
         except ValueError as e:  # too long a prompt, token ids outside the vocabulary, ...
             self.report(item.line_no, item.id, str(e), bar)
             return

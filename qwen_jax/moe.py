@@ -45,18 +45,43 @@ def experts_forward(x_sorted, gate_up, down, group_sizes, gmm):
     return gmm(act.astype(x_sorted.dtype), down, group_sizes)  # [M, D]
 
 
-def moe_local(x, valid, weights, ids, gate_up, down, *, first_expert, top_k, gmm):
+# Above this many bytes of gathered expert weights the reference path sorts and uses
+# ragged_dot instead (which on CPU computes every group densely: E times the work).
+GATHER_LIMIT_BYTES = 1 << 26
+
+
+def experts_gathered(x, ids, gate_up, down, top_k):
+    """Reference path for small batches: each (token, slot) pair reads its own expert's
+    weights. x: [T, D]; ids: int32[T, k] local expert ids -> [T, k, D]."""
+    flat = ids.reshape(-1)  # [M]
+    x_pairs = jnp.repeat(x, top_k, axis=0)  # [M, D]
+    hi = jax.lax.Precision.HIGHEST
+    h = jnp.einsum("md,mdgf->mgf", x_pairs, gate_up[flat], precision=hi,
+                   preferred_element_type=jnp.float32)  # [M, 2, F]
+    act = (jax.nn.silu(h[:, 0]) * h[:, 1]).astype(x.dtype)  # [M, F]
+    y = jnp.einsum("mf,mfd->md", act, down[flat], precision=hi,
+                   preferred_element_type=jnp.float32).astype(x.dtype)  # [M, D]
+    return y.reshape(x.shape[0], top_k, -1)
+
+
+def moe_local(x, valid, weights, ids, gate_up, down, *, first_expert, top_k, gmm,
+              gather_ok=False):
     """The experts this device holds (first_expert.. + E_local) over all tokens: pairs
     routed elsewhere sort past the local groups and contribute nothing. Returns [T, D]."""
     num_tokens, num_local = x.shape[0], gate_up.shape[0]
     local_ids = ids - first_expert  # [T, k]
     mine = valid[:, None] & (local_ids >= 0) & (local_ids < num_local)
+    combine = jnp.where(mine, weights, 0).astype(x.dtype)  # [T, k]
+    pair_bytes = num_tokens * top_k * (gate_up[0].size + down[0].size) * gate_up.dtype.itemsize
+    if gather_ok and pair_bytes <= GATHER_LIMIT_BYTES:
+        y = experts_gathered(x, jnp.where(mine, local_ids, 0), gate_up, down, top_k)
+        return jnp.einsum("tkd,tk->td", y, combine)
     order, group_sizes = dispatch(jnp.where(mine, local_ids, num_local), valid, num_local)
     x_sorted = x[order // top_k]  # [T*k, D]
     y_sorted = experts_forward(x_sorted, gate_up, down, group_sizes, gmm)  # [T*k, D]
     y = jnp.zeros_like(y_sorted).at[order].set(y_sorted)  # (token, slot) order
     y = y.reshape(num_tokens, top_k, -1)  # [T, k, D]
-    return jnp.einsum("tkd,tk->td", y, jnp.where(mine, weights, 0).astype(x.dtype))
+    return jnp.einsum("tkd,tk->td", y, combine)
 
 
 class SparseMoE(nnx.Module):
@@ -77,16 +102,17 @@ class SparseMoE(nnx.Module):
         weights, ids = route(x, self.gate[...], self.top_k, self.norm_topk_prob)  # [T, k]
         gmm = pallas_kernels.ops(rt.impl).grouped_matmul
         gate_up, down = self.gate_up_proj[...], self.down_proj[...]
+        gather_ok = rt.impl == "reference"
         if rt.mesh is None:
             return moe_local(x, valid, weights, ids, gate_up, down, first_expert=0,
-                             top_k=self.top_k, gmm=gmm)
+                             top_k=self.top_k, gmm=gmm, gather_ok=gather_ok)
 
         def sharded(x, valid, weights, ids, gate_up, down):
             # Tokens arrive replicated; each device runs its experts' F-slice and the
             # combine is one psum over both axes (experts and F partial sums).
             first = jax.lax.axis_index("expert") * gate_up.shape[0]
             y = moe_local(x, valid, weights, ids, gate_up, down, first_expert=first,
-                          top_k=self.top_k, gmm=gmm)
+                          top_k=self.top_k, gmm=gmm, gather_ok=gather_ok)
             return jax.lax.psum(y, ("expert", "model"))
 
         rep = P()

@@ -58,8 +58,8 @@ class LLMEngine:
         self.compile_seconds = 0.0
         self.last_step: dict = {}
         if config.precompile:
-            self.compile_seconds = self.runner.precompile(
-                self.bucket_pairs, self.pages_per_seq, progress=config.show_progress)
+            self.compile_seconds = self.runner.precompile(self.bucket_pairs,
+                                                          progress=config.show_progress)
 
     # ---- construction ------------------------------------------------------------------
     def _dtype(self) -> str:
@@ -102,7 +102,7 @@ class LLMEngine:
                                          cache.enable_prefix_caching)
         self.scheduler = Scheduler(sched, self.kv_manager)
         self.runner = ModelRunner(self.model, caches, max_model_len=sched.max_model_len,
-                                  mesh=self.mesh)
+                                  pages_per_seq=self.pages_per_seq, mesh=self.mesh)
         self.bucket_pairs = bucket_pairs(sched.token_bucket_sizes, sched.seq_bucket_sizes)
 
     @property
@@ -137,7 +137,10 @@ class LLMEngine:
         return None, [int(t) for t in ids]
 
     def add_request(self, request_id: str, prompt, sampling_params: SamplingParams | None = None,
-                    *, priority: int = 0, arrival_time: float | None = None) -> None:
+                    *, priority: int = 0, arrival_time: float | None = None,
+                    stream: bool = True) -> None:
+        """Queue a request. `stream=False` makes `step` return its output only once it
+        has finished (no per-token output objects: what offline generation needs)."""
         params = sampling_params or SamplingParams()
         if request_id in self._parents:
             raise ValueError(f"request_id {request_id!r} is already in use")
@@ -160,7 +163,7 @@ class LLMEngine:
             raise
         for child in children:
             self._seqs[child.request.request_id] = child
-        self._parents[request_id] = ParentState(request_id, text, ids, children)
+        self._parents[request_id] = ParentState(request_id, text, ids, children, stream)
 
     def _blocked_ids(self, params: SamplingParams) -> tuple[int, ...]:
         if params.min_tokens == 0:
@@ -233,7 +236,8 @@ class LLMEngine:
             if status is not None:
                 self.scheduler.finish(request.request_id, status)
             touched[seq.parent_id] = self._parents[seq.parent_id]
-        return [self._emit(parent) for parent in touched.values()]
+        return [self._emit(parent) for parent in touched.values()
+                if parent.stream or parent.finished]
 
     def _sampling_entry(self, request: Request):
         seq = self._seqs[request.request_id]

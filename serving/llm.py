@@ -85,7 +85,8 @@ class LLM:
             for i, (prompt, p) in enumerate(zip(prompts, params)):
                 rid = str(next(self._counter))
                 engine = min(self.engines, key=lambda e: len(e.request_ids()))
-                engine.add_request(rid, prompt, p, priority=priority[i] if priority else 0)
+                engine.add_request(rid, prompt, p, priority=priority[i] if priority else 0,
+                                   stream=False)
                 ids.append(rid)
         except Exception:
             for rid in ids:

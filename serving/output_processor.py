@@ -42,6 +42,7 @@ class ParentState:
     prompt: str | None
     prompt_token_ids: list[int]
     children: list[SeqState]
+    stream: bool = True  # False: only the final output is built (offline generate)
 
     @property
     def finished(self) -> bool:

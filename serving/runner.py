@@ -3,6 +3,7 @@ sampling. One executable per (token bucket, sequence bucket); the KV cache is do
 
 from __future__ import annotations
 
+import concurrent.futures
 import logging
 import os
 import time
@@ -39,11 +40,12 @@ def enable_compilation_cache(directory: str | None) -> None:
 class ModelRunner:
     """Owns the params, the KV cache and the compiled steps."""
 
-    def __init__(self, model, kv_caches, *, max_model_len: int, mesh=None):
+    def __init__(self, model, kv_caches, *, max_model_len: int, pages_per_seq: int, mesh=None):
         self.graphdef, self.state = nnx.split(model)
         self.kv_caches = kv_caches
         self.max_model_len = max_model_len
-        self.num_compiles = 0  # traces of the step == executables built
+        self.pages_per_seq = pages_per_seq
+        self._executables: dict[tuple[int, int], object] = {}  # (T, S) -> compiled step
         # Under a mesh the host inputs go to every device (replicated) and the caches keep
         # their kv-head shards across steps.
         self._inputs_sharding = None if mesh is None else replicated(mesh)
@@ -52,8 +54,12 @@ class ModelRunner:
                              out_shardings=None if mesh is None else (cache_shardings,
                                                                       replicated(mesh)))
 
+    @property
+    def num_compiles(self) -> int:
+        """Executables built so far: one per (T, S) bucket, never more."""
+        return len(self._executables)
+
     def _step_impl(self, state, kv_caches, inputs: dict, sampling: SamplingArrays):
-        self.num_compiles += 1  # runs only while tracing: once per new bucket shape
         model = nnx.merge(self.graphdef, state)
         meta = AttentionMetadata(
             slot_mapping=inputs["slot_mapping"], query_start=inputs["query_start"],
@@ -68,7 +74,8 @@ class ModelRunner:
         arrays = (inputs.arrays(), sampling)
         if self._inputs_sharding is not None:
             arrays = jax.tree.map(self._replicate, arrays)
-        self.kv_caches, out = self._step(self.state, self.kv_caches, *arrays)
+        step = self._executables.get(inputs.bucket) or self._compile([inputs.bucket])[0]
+        self.kv_caches, out = step(self.state, self.kv_caches, *arrays)
         return jax.device_get(out)
 
     def _replicate(self, host: np.ndarray) -> jax.Array:
@@ -78,13 +85,30 @@ class ModelRunner:
         return jax.make_array_from_callback(host.shape, self._inputs_sharding,
                                             lambda index: host[index])
 
-    def precompile(self, pairs, pages_per_seq: int, progress: bool = True) -> float:
-        """Compile every (T, S) bucket up front by running it on an all-padding batch."""
+    def _abstract_args(self, bucket):
+        t, s = bucket
+        host = (padding_inputs(t, s, self.pages_per_seq).arrays(),
+                padding_sampling(s, self.max_model_len))
+        return jax.tree.map(lambda x: jax.ShapeDtypeStruct(
+            np.shape(x), np.asarray(x).dtype, sharding=self._inputs_sharding), host)
+
+    def _compile(self, buckets, progress: bool = False):
+        """Trace and lower each bucket's step (Python, serial), then compile them on a
+        thread pool: XLA compiles in C++ without the GIL, so buckets build in parallel."""
         from tqdm import tqdm
+        lowered = [self._step.lower(self.state, self.kv_caches, *self._abstract_args(b))
+                   for b in buckets]
+        workers = max(1, min(len(buckets), os.cpu_count() or 1))
+        with concurrent.futures.ThreadPoolExecutor(workers) as pool:
+            compiled = list(tqdm(pool.map(lambda low: low.compile(), lowered), total=len(buckets),
+                                 desc="compiling buckets", unit="bucket", disable=not progress))
+        self._executables.update(zip(buckets, compiled))
+        return compiled
+
+    def precompile(self, pairs, progress: bool = True) -> float:
+        """Compile every (T, S) bucket up front, so serving never compiles."""
         start = time.perf_counter()
-        for t, s in tqdm(pairs, desc="compiling buckets", disable=not progress, unit="bucket"):
-            self.execute(padding_inputs(t, s, pages_per_seq),
-                         padding_sampling(s, self.max_model_len))
+        self._compile([tuple(p) for p in pairs], progress)
         return time.perf_counter() - start
 
 

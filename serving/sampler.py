@@ -107,11 +107,10 @@ def gumbel_noise(seed, output_index, vocab: int):
     return -jnp.log(-jnp.log(uniform))
 
 
-def _filtered_sample(logits, sa: SamplingArrays):
-    """Temperature, then top-k, top-p and min-p on the sorted distribution; Gumbel-max."""
-    num_seqs, vocab = logits.shape
-    temp = jnp.maximum(sa.temperature, SAMPLING_EPS)[:, None]
-    sorted_logits, sorted_ids = jax.lax.top_k(logits / temp, vocab)  # [S, V] descending
+def _filtered_sample(scaled, noise, sa: SamplingArrays):
+    """Top-k, then top-p and min-p on the sorted distribution; Gumbel-max over what is kept."""
+    vocab = scaled.shape[-1]
+    sorted_logits, sorted_ids = jax.lax.top_k(scaled, vocab)  # [S, V] descending
     rank = jnp.arange(vocab)[None, :]
     k = jnp.where(sa.top_k > 0, sa.top_k, vocab)[:, None]
     masked = jnp.where(rank < k, sorted_logits, -jnp.inf)
@@ -120,9 +119,18 @@ def _filtered_sample(logits, sa: SamplingArrays):
     keep = (before < sa.top_p[:, None]) & (probs >= sa.min_p[:, None] * probs[:, :1])
     masked = jnp.where(keep | (rank == 0), masked, -jnp.inf)
     # Noise is attached to the token id (not the sorted rank) so ties cannot reorder it.
-    noise = jnp.take_along_axis(gumbel_noise(sa.seed, sa.output_index, vocab), sorted_ids, axis=-1)
-    choice = jnp.argmax(masked + noise, axis=-1)  # [S]
+    choice = jnp.argmax(masked + jnp.take_along_axis(noise, sorted_ids, axis=-1), axis=-1)
     return jnp.take_along_axis(sorted_ids, choice[:, None], axis=-1)[:, 0]
+
+
+def _random_sample(logits, sa: SamplingArrays):
+    """Temperature + Gumbel-max; the full-vocabulary sort runs only when some row filters.
+    A row's token never depends on the other rows (same noise, same kept set)."""
+    scaled = logits / jnp.maximum(sa.temperature, SAMPLING_EPS)[:, None]
+    noise = gumbel_noise(sa.seed, sa.output_index, logits.shape[-1])  # [S, V]
+    filters = jnp.any((sa.top_k > 0) | (sa.top_p < 1) | (sa.min_p > 0))
+    return jax.lax.cond(filters, lambda: _filtered_sample(scaled, noise, sa),
+                        lambda: jnp.argmax(scaled + noise, axis=-1))
 
 
 def sample(logits: jax.Array, sa: SamplingArrays) -> dict:
@@ -141,7 +149,7 @@ def sample(logits: jax.Array, sa: SamplingArrays) -> dict:
     all_greedy = jnp.all(sa.temperature < SAMPLING_EPS)
     token = jax.lax.cond(
         all_greedy, lambda: greedy,
-        lambda: jnp.where(sa.temperature < SAMPLING_EPS, greedy, _filtered_sample(logits, sa)))
+        lambda: jnp.where(sa.temperature < SAMPLING_EPS, greedy, _random_sample(logits, sa)))
     token_logprob = jnp.take_along_axis(logprobs, token[:, None], axis=-1)[:, 0]
     top_logprobs, top_ids = jax.lax.top_k(logprobs, min(NUM_TOP_LOGPROBS, vocab))
     rank = 1 + jnp.sum(logprobs > token_logprob[:, None], axis=-1)
