@@ -147,7 +147,12 @@ class LLMEngine:
         text, ids = self.tokenize_prompt(prompt)
         if not ids:
             raise ValueError("prompt must contain at least one token, got an empty prompt")
+        if len(ids) > self.max_model_len:
+            raise ValueError(f"prompt has {len(ids)} tokens, more than "
+                             f"max_model_len={self.max_model_len}")
         blocked = self._blocked_ids(params)
+        prompt_lps = (None if params.prompt_logprobs is None
+                      else self._prompt_logprobs(ids, params.prompt_logprobs))
         children = []
         try:
             for i in range(params.n):
@@ -163,7 +168,13 @@ class LLMEngine:
             raise
         for child in children:
             self._seqs[child.request.request_id] = child
-        self._parents[request_id] = ParentState(request_id, text, ids, children, stream)
+        self._parents[request_id] = ParentState(request_id, text, ids, children, stream,
+                                                prompt_lps)
+
+    def _prompt_logprobs(self, ids: list[int], num: int) -> list:
+        if distributed.is_multiprocess():
+            raise ValueError("prompt_logprobs is not supported with multiple processes")
+        return self.output_processor.prompt_logprobs(ids, self.runner.score_prompt(ids), num)
 
     def _blocked_ids(self, params: SamplingParams) -> tuple[int, ...]:
         if params.min_tokens == 0:

@@ -43,6 +43,7 @@ class ParentState:
     prompt_token_ids: list[int]
     children: list[SeqState]
     stream: bool = True  # False: only the final output is built (offline generate)
+    prompt_logprobs: list | None = None
 
     @property
     def finished(self) -> bool:
@@ -101,6 +102,19 @@ class OutputProcessor:
             entry.setdefault(int(tid), Logprob(float(lp), rank, self._decode_one(int(tid))))
         seq.logprobs.append(entry)
 
+    def prompt_logprobs(self, prompt_ids: list[int], scored: dict, num: int) -> list:
+        """vLLM's format: None for the first token, then {token_id: Logprob} holding the
+        prompt token and the `num` most likely tokens at that position."""
+        out: list = [None]
+        for i, token in enumerate(prompt_ids[1:]):
+            entry = {token: Logprob(float(scored["logprob"][i]), int(scored["rank"][i]),
+                                    self._decode_one(token))}
+            top = zip(scored["top_ids"][i][:num], scored["top_logprobs"][i][:num])
+            for rank, (tid, lp) in enumerate(top, start=1):
+                entry.setdefault(int(tid), Logprob(float(lp), rank, self._decode_one(int(tid))))
+            out.append(entry)
+        return out
+
     def _decode_one(self, token: int) -> str | None:
         if self.tokenizer is None:
             return None
@@ -119,6 +133,6 @@ class OutputProcessor:
         first = parent.children[0].request
         return RequestOutput(
             request_id=parent.request_id, prompt=parent.prompt,
-            prompt_token_ids=parent.prompt_token_ids, prompt_logprobs=None,
+            prompt_token_ids=parent.prompt_token_ids, prompt_logprobs=parent.prompt_logprobs,
             outputs=[self.completion(c) for c in parent.children], finished=parent.finished,
             metrics=first.metrics)

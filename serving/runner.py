@@ -17,7 +17,7 @@ from flax import nnx
 from qwen_jax.attention import AttentionMetadata
 from qwen_jax.sharding import replicated
 from serving.batch import ModelInputs
-from serving.sampler import SamplingArrays, build_sampling_arrays, sample
+from serving.sampler import NUM_TOP_LOGPROBS, SamplingArrays, build_sampling_arrays, sample
 
 logger = logging.getLogger(__name__)
 
@@ -46,6 +46,7 @@ class ModelRunner:
         self.max_model_len = max_model_len
         self.pages_per_seq = pages_per_seq
         self._executables: dict[tuple[int, int], object] = {}  # (T, S) -> compiled step
+        self._scorers: dict[int, object] = {}  # padded prompt length -> jitted scorer
         # Under a mesh the host inputs go to every device (replicated) and the caches keep
         # their kv-head shards across steps.
         self._inputs_sharding = None if mesh is None else replicated(mesh)
@@ -84,6 +85,28 @@ class ModelRunner:
         host = np.asarray(host)
         return jax.make_array_from_callback(host.shape, self._inputs_sharding,
                                             lambda index: host[index])
+
+    def score_prompt(self, token_ids: list[int]) -> dict[str, np.ndarray]:
+        """Logprobs of each prompt token given its prefix (vLLM's prompt_logprobs), from a
+        full-sequence forward padded to a power of two (compiled once per length bucket).
+        Returns host arrays for positions 1..n-1: logprob, rank, top_ids, top_logprobs."""
+        num = len(token_ids)
+        padded = max(16, 1 << (num - 1).bit_length())
+        ids = np.zeros((1, padded), np.int32)
+        ids[0, :num] = token_ids
+        if padded not in self._scorers:
+            self._scorers[padded] = jax.jit(self._score_impl)
+        out = self._scorers[padded](self.state, ids)
+        return {k: np.asarray(v)[:num - 1] for k, v in jax.device_get(out).items()}
+
+    def _score_impl(self, state, ids):
+        model = nnx.merge(self.graphdef, state)
+        logprobs = jax.nn.log_softmax(model(ids)[0, :-1], axis=-1)  # [T-1, V] f32
+        target = ids[0, 1:]
+        token_lp = jnp.take_along_axis(logprobs, target[:, None], axis=-1)[:, 0]
+        top_logprobs, top_ids = jax.lax.top_k(logprobs, min(NUM_TOP_LOGPROBS, logprobs.shape[-1]))
+        rank = 1 + jnp.sum(logprobs > token_lp[:, None], axis=-1)
+        return dict(logprob=token_lp, rank=rank, top_ids=top_ids, top_logprobs=top_logprobs)
 
     def _abstract_args(self, bucket):
         t, s = bucket

@@ -154,3 +154,17 @@ def test_chat_uses_the_checkpoint_template(tok_llm):
                                        enable_thinking=False)
     assert out.prompt_token_ids == expected
     assert "<think>" in tok.decode(expected, skip_special_tokens=False)
+
+
+def test_prompt_logprobs_equal_hf_log_softmax(llm, tiny_ckpt):
+    prompt = make_prompts([9], seed=14)[0]
+    out = llm.generate(ids_prompt(prompt), SamplingParams(temperature=0.0, max_tokens=2,
+                                                           prompt_logprobs=2))[0]
+    logits = hf_logits(tiny_ckpt[1], np.array([prompt]))[0]
+    ref = logits - np.log(np.exp(logits).sum(-1, keepdims=True))
+    assert out.prompt_logprobs[0] is None and len(out.prompt_logprobs) == len(prompt)
+    for i, entry in enumerate(out.prompt_logprobs[1:], start=1):
+        token = prompt[i]
+        assert abs(entry[token].logprob - ref[i - 1][token]) < 1e-4
+        assert entry[token].rank == 1 + int(np.sum(ref[i - 1] > ref[i - 1][token]))
+        assert set(np.argsort(-ref[i - 1])[:2]) <= set(entry)
