@@ -34,16 +34,27 @@ def resolve_dtype(dtype) -> jnp.dtype:
     return jnp.dtype(dtype)
 
 
+ASSETS_DIR = Path(__file__).resolve().parent / "assets"
+
+
+def list_models() -> list[str]:
+    """Names `resolve_model_path` knows: shipped checkpoints and config presets."""
+    shipped = [p.name for p in ASSETS_DIR.iterdir() if (p / "config.json").exists()] \
+        if ASSETS_DIR.is_dir() else []
+    return sorted(shipped) + sorted(p.stem for p in PRESET_DIR.glob("*.json"))
+
+
 def resolve_model_path(model: str | Path) -> Path:
-    """A checkpoint directory, or a preset name from qwen_jax/configs (dummy weights)."""
+    """A checkpoint directory, a checkpoint shipped in the package (its weights), or a
+    preset name from qwen_jax/configs (dummy weights)."""
     path = Path(model)
     if path.exists():
         return path
-    preset = PRESET_DIR / f"{model}.json"
-    if preset.exists():
-        return preset
-    raise ValueError(f"model {str(model)!r} is neither an existing path nor a preset "
-                     f"({', '.join(sorted(p.stem for p in PRESET_DIR.glob('*.json')))})")
+    for candidate in (ASSETS_DIR / str(model), PRESET_DIR / f"{model}.json"):
+        if candidate.exists():
+            return candidate
+    raise ValueError(f"model {str(model)!r} is neither an existing path nor one of "
+                     f"{', '.join(list_models())}")
 
 
 def load_model(model, dtype="float32", *, impl=None, load_format="auto", seed=0, mesh=None):
