@@ -280,7 +280,7 @@ def generate_file(input, output, *, llm=None, model: str | None = None,
         from serving.llm import LLM
         llm = LLM(model, **(engine_kwargs or {}))
     engine = llm.llm_engine
-    max_in_flight = max_in_flight or 2 * engine.config.scheduler.max_num_seqs
+    max_in_flight = max_in_flight or 2 * engine.scheduler_config.max_num_seqs
     out, errs = JsonlAppender(output_path), JsonlAppender(errors_path)
     run = _BatchRun(engine, input_path, out, errs, dict(default_sampling or {}), base_seed)
     started = time.perf_counter()

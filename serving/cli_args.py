@@ -25,7 +25,8 @@ def add_engine_args(parser: argparse.ArgumentParser) -> None:
     g.add_argument("--seed", type=int, default=0)
     g.add_argument("--max-num-seqs", type=int, default=64)
     g.add_argument("--max-num-batched-tokens", type=int, default=512)
-    g.add_argument("--max-model-len", type=int, default=2048)
+    g.add_argument("--max-model-len", type=int, default=None,
+                   help="default: the model's max_position_embeddings, at most 4096")
     g.add_argument("--block-size", type=int, default=16)
     g.add_argument("--num-gpu-blocks-override", type=int, default=None)
     g.add_argument("--gpu-memory-utilization", "--kv-cache-fraction", type=float, default=0.9,

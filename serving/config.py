@@ -53,7 +53,7 @@ class CacheConfig:
 class SchedulerConfig:
     max_num_seqs: int = 64
     max_num_batched_tokens: int = 512
-    max_model_len: int = 2048
+    max_model_len: int | None = None  # None: the model's, capped (the engine resolves it)
     watermark: float = 0.01  # fraction of pages kept free when admitting
     policy: str = "fcfs"
     max_waiting: int | None = None  # None: unbounded waiting queue
@@ -65,7 +65,8 @@ class SchedulerConfig:
         _require(self.max_num_batched_tokens >= self.max_num_seqs,
                  f"max_num_batched_tokens must be >= max_num_seqs={self.max_num_seqs}, "
                  f"got {self.max_num_batched_tokens}")
-        _require(self.max_model_len >= 1, f"max_model_len must be >= 1, got {self.max_model_len}")
+        _require(self.max_model_len is None or self.max_model_len >= 1,
+                 f"max_model_len must be >= 1, got {self.max_model_len}")
         _require(0 <= self.watermark < 1, f"watermark must be in [0, 1), got {self.watermark}")
         _require(self.policy in POLICIES,
                  f"policy must be one of {POLICIES}, got {self.policy!r}")
@@ -93,5 +94,6 @@ class SchedulerConfig:
 
     def pages_per_seq(self, block_size: int) -> int:
         """Static page-table width: enough pages for max_model_len tokens."""
+        _require(self.max_model_len is not None, "max_model_len is not resolved yet")
         return -(-self.max_model_len // block_size)
 

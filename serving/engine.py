@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import dataclasses
 import logging
 import time
 from pathlib import Path
@@ -24,6 +25,7 @@ from serving.sampler import NUM_BLOCKED, build_sampling_arrays, uses_penalties
 from serving.scheduler import Scheduler
 
 logger = logging.getLogger(__name__)
+DEFAULT_MAX_MODEL_LEN = 4096
 DEFAULT_MODEL_DIR = Path(__file__).resolve().parent.parent / "qwen_jax" / "assets" / "tiny-qwen3-moe"
 
 
@@ -85,6 +87,11 @@ class LLMEngine:
 
     def _init_cache_and_scheduler(self) -> None:
         sched, cache = self.config.scheduler, self.config.cache
+        if sched.max_model_len is None:  # vLLM takes the model's; capped to keep the page
+            # table (and the CPU reference attention, which reads all of it) small
+            sched = dataclasses.replace(sched, max_model_len=min(
+                DEFAULT_MAX_MODEL_LEN, self.model_config.max_position_embeddings))
+        self.scheduler_config = sched
         if sched.max_model_len > self.model_config.max_position_embeddings:
             raise ValueError(
                 f"max_model_len={sched.max_model_len} exceeds the model's "
@@ -107,7 +114,7 @@ class LLMEngine:
 
     @property
     def max_model_len(self) -> int:
-        return self.config.scheduler.max_model_len
+        return self.scheduler_config.max_model_len
 
     @property
     def kv_capacity_tokens(self) -> int:
@@ -222,8 +229,8 @@ class LLMEngine:
         out = self.scheduler.schedule()
         if out.is_empty:
             return []
-        inputs = build_model_inputs(out, self.config.scheduler.token_bucket_sizes,
-                                    self.config.scheduler.seq_bucket_sizes, self.block_size,
+        inputs = build_model_inputs(out, self.scheduler_config.token_bucket_sizes,
+                                    self.scheduler_config.seq_bucket_sizes, self.block_size,
                                     self.pages_per_seq)
         sampling = build_sampling_arrays(
             [self._sampling_entry(s.request) for s in out.scheduled], inputs.padded_num_seqs,

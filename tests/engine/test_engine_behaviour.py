@@ -168,3 +168,13 @@ def test_prompt_logprobs_equal_hf_log_softmax(llm, tiny_ckpt):
         assert abs(entry[token].logprob - ref[i - 1][token]) < 1e-4
         assert entry[token].rank == 1 + int(np.sum(ref[i - 1] > ref[i - 1][token]))
         assert set(np.argsort(-ref[i - 1])[:2]) <= set(entry)
+
+
+def test_max_model_len_defaults_to_the_models(tiny_ckpt, compile_cache):
+    engine = LLMEngine(engine_config_from_kwargs(
+        str(tiny_ckpt[0]), precompile=False, compilation_cache_dir=compile_cache,
+        max_num_seqs=4, max_num_batched_tokens=64))
+    assert engine.max_model_len == 256  # the checkpoint's max_position_embeddings
+    with pytest.raises(ValueError, match="max_model_len=512 exceeds"):
+        LLMEngine(engine_config_from_kwargs(str(tiny_ckpt[0]), precompile=False,
+                                            max_model_len=512))

@@ -34,10 +34,17 @@ def test_bucket_pairs_cover_every_feasible_step():
 
 
 def test_scheduler_config_default_buckets():
-    c = SchedulerConfig(max_num_seqs=64, max_num_batched_tokens=512)
+    c = SchedulerConfig(max_num_seqs=64, max_num_batched_tokens=512, max_model_len=2048)
     assert c.token_bucket_sizes == (8, 16, 32, 64, 128, 256, 512)
     assert c.seq_bucket_sizes == (4, 8, 16, 32, 64)
     assert c.pages_per_seq(16) == 128
+
+
+def test_scheduler_config_max_model_len_defaults_to_unresolved():
+    c = SchedulerConfig()
+    assert c.max_model_len is None  # the engine takes the model's (capped)
+    with pytest.raises(ValueError, match="max_model_len is not resolved"):
+        c.pages_per_seq(16)
 
 
 def test_scheduler_config_custom_buckets_sorted_and_must_reach_limit():
