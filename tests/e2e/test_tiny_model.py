@@ -1,0 +1,150 @@
+"""The shipped tiny Qwen3-MoE: HF-loadable, HF-equal answers, and the same per-problem
+correctness through every engine configuration (a difference is a serving bug)."""
+
+from __future__ import annotations
+
+import json
+from pathlib import Path
+
+import numpy as np
+import pytest
+
+from qwen_jax import tasks
+from qwen_jax.eval_tasks import TINY_MODEL, chat_template, evaluate, render_prompts
+from tiny_greedy import FullForwardLLM, eos_ids, hf_greedy_ids
+
+QWEN3_TOKENIZER = Path("/work/shared/fixtures/qwen3-tokenizer")
+SPECIAL = ["<|endoftext|>", "<|im_start|>", "<|im_end|>", "<think>", "</think>"]
+N_PER_TASK = 3
+
+
+@pytest.fixture(scope="module")
+def hf_tokenizer():
+    from transformers import AutoTokenizer
+    return AutoTokenizer.from_pretrained(TINY_MODEL)
+
+
+@pytest.fixture(scope="module")
+def full_forward():
+    return FullForwardLLM(TINY_MODEL)
+
+
+@pytest.fixture(scope="module")
+def hf_model():
+    import torch
+    from transformers import AutoModelForCausalLM
+    return AutoModelForCausalLM.from_pretrained(TINY_MODEL, dtype=torch.float32).eval()
+
+
+def test_tokenizer_has_qwen3_special_tokens(hf_tokenizer):
+    vocab = hf_tokenizer.get_vocab()
+    for token in SPECIAL:
+        assert token in vocab
+        assert hf_tokenizer.encode(token) == [vocab[token]]  # never split into pieces
+    assert hf_tokenizer.eos_token == "<|im_end|>"
+    assert hf_tokenizer.pad_token == "<|endoftext|>"
+    config = json.loads((TINY_MODEL / "config.json").read_text())
+    assert config["vocab_size"] >= len(vocab)
+    assert vocab["<|im_end|>"] in eos_ids(TINY_MODEL)
+
+
+def test_chat_template_renders_qwen3_layout(hf_tokenizer):
+    user = [{"role": "user", "content": "What is 2 + 3?"}]
+    rendered = hf_tokenizer.apply_chat_template(user, tokenize=False, add_generation_prompt=True,
+                                                enable_thinking=False)
+    assert rendered == ("<|im_start|>user\nWhat is 2 + 3?<|im_end|>\n"
+                        "<|im_start|>assistant\n<think>\n\n</think>\n\n")
+    chat = [{"role": "system", "content": "S"}, *user, {"role": "assistant", "content": "5"}]
+    assert hf_tokenizer.apply_chat_template(chat, tokenize=False) == (
+        "<|im_start|>system\nS<|im_end|>\n<|im_start|>user\nWhat is 2 + 3?<|im_end|>\n"
+        "<|im_start|>assistant\n<think>\n\n</think>\n\n5<|im_end|>\n")
+
+
+@pytest.mark.skipif(not QWEN3_TOKENIZER.exists(), reason="no Qwen3 tokenizer fixture")
+def test_chat_template_equals_qwen3s_on_plain_chats(hf_tokenizer):
+    from transformers import AutoTokenizer
+    qwen3 = AutoTokenizer.from_pretrained(QWEN3_TOKENIZER)
+    chats = [
+        [{"role": "user", "content": "hi"}],
+        [{"role": "system", "content": "S"}, {"role": "user", "content": "a"},
+         {"role": "assistant", "content": "<think>\nr\n</think>\n\nb"},
+         {"role": "user", "content": "c"}, {"role": "assistant", "content": "d"}],
+    ]
+    for chat in chats:
+        for kwargs in ({}, {"enable_thinking": False}):
+            for gen in (True, False):
+                ours = hf_tokenizer.apply_chat_template(
+                    chat, tokenize=False, add_generation_prompt=gen, **kwargs)
+                assert ours == qwen3.apply_chat_template(
+                    chat, tokenize=False, add_generation_prompt=gen, **kwargs)
+
+
+def _prompt_ids(full_forward, n_per_task: int) -> list[list[int]]:
+    problems = [p for t in tasks.TASKS for p in tasks.problems(t, n_per_task, seed=7)]
+    texts = render_prompts(problems, chat_template(TINY_MODEL))
+    return [full_forward.tokenizer.encode(t).ids for t in texts]
+
+
+def test_hf_logits_equal_ours(full_forward, hf_model):
+    import torch
+    ids = _prompt_ids(full_forward, 1)[-1]  # the long copy prompt
+    with torch.no_grad():
+        theirs = hf_model(torch.tensor([ids])).logits.numpy()
+    ours = np.asarray(full_forward.model(np.asarray([ids], np.int32)))
+    np.testing.assert_allclose(ours, theirs, atol=1e-4, rtol=0)
+
+
+def test_hf_greedy_answers_equal_ours(full_forward, hf_model):
+    prompts = _prompt_ids(full_forward, 2)
+    ours = full_forward.greedy_ids(prompts)
+    assert ours == hf_greedy_ids(hf_model, prompts, full_forward.eos)
+
+
+def test_full_forward_answers_are_mostly_right(full_forward):
+    results = evaluate(full_forward, N_PER_TASK, seed=3)
+    accuracy = np.mean([c for _, correct in results.values() for c in correct])
+    assert accuracy >= 0.5, results
+
+
+# ---- through the engine --------------------------------------------------------------------
+ENGINE_CONFIGS = {
+    "all_at_once": dict(enable_prefix_caching=False),
+    "chunked_prefill": dict(enable_prefix_caching=False, max_num_seqs=4,
+                            max_num_batched_tokens=32),
+    "tiny_kv_pool": dict(enable_prefix_caching=False, num_gpu_blocks_override=48),
+    "prefix_caching": dict(enable_prefix_caching=True),
+}
+
+
+def _llm(**kwargs):
+    try:
+        from qwen_jax import LLM
+    except ImportError:
+        pytest.skip("qwen_jax.LLM is not importable")
+    return LLM(model=str(TINY_MODEL), max_model_len=1024, precompile=False,
+               show_progress=False, **kwargs)
+
+
+def _correctness(results):
+    return {task: correct for task, (_, correct) in results.items()}
+
+
+@pytest.fixture(scope="module")
+def reference_correctness(full_forward):
+    return _correctness(evaluate(full_forward, N_PER_TASK, seed=5))
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("name", ENGINE_CONFIGS)
+def test_engine_matches_full_forward_per_problem(name, reference_correctness):
+    llm = _llm(**ENGINE_CONFIGS[name])
+    passes = 2 if name == "prefix_caching" else 1  # the second pass hits the cache
+    for _ in range(passes):
+        assert _correctness(evaluate(llm, N_PER_TASK, seed=5)) == reference_correctness
+
+
+@pytest.mark.slow
+def test_engine_one_request_at_a_time_matches(reference_correctness):
+    llm = _llm(enable_prefix_caching=False)
+    results = evaluate(llm, N_PER_TASK, seed=5, one_at_a_time=True)
+    assert _correctness(results) == reference_correctness
