@@ -27,7 +27,14 @@ class EngineDeadError(RuntimeError):
 
 class AsyncLLM:
     def __init__(self, model: str | None = None, *, engine: LLMEngine | None = None, **kwargs):
-        self.engine = engine or LLMEngine(engine_config_from_kwargs(model, **kwargs))
+        if engine is None:
+            config = engine_config_from_kwargs(model, **kwargs)
+            if config.parallel.data_parallel_size > 1:
+                raise ValueError(
+                    f"data_parallel_size={config.parallel.data_parallel_size}: a server runs "
+                    "one replica; start one per replica and put a load balancer in front")
+            engine = LLMEngine(config)
+        self.engine = engine
         self._commands: queue.SimpleQueue = queue.SimpleQueue()
         self._wake = threading.Event()
         self._streams: dict[str, tuple[asyncio.AbstractEventLoop, asyncio.Queue]] = {}

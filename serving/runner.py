@@ -57,8 +57,9 @@ class ModelRunner:
 
     @property
     def num_compiles(self) -> int:
-        """Executables built so far: one per (T, S) bucket, never more."""
-        return len(self._executables)
+        """Executables built so far: one per (T, S) bucket (all at start-up), plus one per
+        power-of-two prompt length the first time a request asks for prompt_logprobs."""
+        return len(self._executables) + len(self._scorers)
 
     def _step_impl(self, state, kv_caches, inputs: dict, sampling: SamplingArrays):
         model = nnx.merge(self.graphdef, state)

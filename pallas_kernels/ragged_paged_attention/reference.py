@@ -6,6 +6,8 @@ import jax.numpy as jnp
 # Tokens are processed in blocks of this many rows so a long prefill chunk never
 # materialises its whole [T, C, K, H] key gather at once.
 _TOKEN_BLOCK = 128
+# Pages of keys per online-softmax step.
+_CHUNK_PAGES = 8
 
 
 def _dequant(pages, scale):
@@ -18,36 +20,49 @@ def _dequant(pages, scale):
 
 def _attend_block(q, seq, pos, valid, k_pages, v_pages, page_table, k_scale, v_scale,
                   sm_scale):
-    """One block of query rows. q: [B, N, H]; seq, pos: int32[B]; valid: bool[B]."""
-    num_q_heads = q.shape[1]
+    """One block of query rows. q: [B, N, H]; seq, pos: int32[B]; valid: bool[B].
+
+    Keys are visited in chunks of `_CHUNK_PAGES` pages with an online softmax, and only
+    up to the furthest position a row of the block attends to (a dynamic trip count):
+    the cost follows the real context, not the page table's static width."""
+    num_rows, num_q_heads = q.shape[:2]
     num_pages_per_seq = page_table.shape[1]
     page_size, num_kv_heads = k_pages.shape[1], k_pages.shape[2]
     group = num_q_heads // num_kv_heads
-    pages = page_table[seq]                                               # [B, pps]
-    # Gather in the stored dtype (cheap), dequantise after.
-    k = _dequant(k_pages[pages], k_scale)                                 # [B, pps, L, K, H]
-    v = _dequant(v_pages[pages], v_scale)                                 # [B, pps, L, K, H]
-    ctx = num_pages_per_seq * page_size
-    k = k.reshape(k.shape[0], ctx, num_kv_heads, -1)                      # [B, C, K, H]
-    v = v.reshape(v.shape[0], ctx, num_kv_heads, -1)                      # [B, C, K, H]
-    key_pos = jnp.arange(ctx, dtype=jnp.int32)                            # [C]
-    mask = key_pos[None, :] <= pos[:, None]                               # [B, C]
-    # Slots past a row's position may hold anything (stale, NaN): zero them so that
-    # 0 * NaN never reaches the output.
-    v = jnp.where(mask[:, :, None, None], v, 0.0)
-    qg = q.astype(jnp.float32).reshape(q.shape[0], num_kv_heads, group, -1)  # [B, K, G, H]
-    scores = jnp.einsum("bkgh,bckh->bkgc", qg, k,
-                        precision=jax.lax.Precision.HIGHEST) * sm_scale   # [B, K, G, C]
-    scores = jnp.where(mask[:, None, None, :], scores, -jnp.inf)
-    # Padding rows have an all-masked row; give them a finite max so no NaN appears.
-    row_max = jnp.max(scores, axis=-1, keepdims=True)
-    row_max = jnp.where(jnp.isfinite(row_max), row_max, 0.0)
-    probs = jnp.exp(scores - row_max)                                     # [B, K, G, C]
-    denom = jnp.sum(probs, axis=-1, keepdims=True)
-    probs = probs / jnp.where(denom > 0, denom, 1.0)
-    out = jnp.einsum("bkgc,bckh->bkgh", probs, v,
-                     precision=jax.lax.Precision.HIGHEST)                 # [B, K, G, H]
-    out = out.reshape(q.shape)                                            # [B, N, H]
+    chunk_pages = min(_CHUNK_PAGES, num_pages_per_seq)
+    num_chunks = -(-num_pages_per_seq // chunk_pages)
+    pages = jnp.pad(page_table[seq], ((0, 0), (0, num_chunks * chunk_pages - num_pages_per_seq)))
+    chunk_len = chunk_pages * page_size
+    qg = q.astype(jnp.float32).reshape(num_rows, num_kv_heads, group, -1)   # [B, K, G, H]
+    hi = jax.lax.Precision.HIGHEST
+
+    def chunk(c, carry):
+        row_max, denom, acc = carry
+        ids = jax.lax.dynamic_slice_in_dim(pages, c * chunk_pages, chunk_pages, axis=1)
+        # Gather in the stored dtype (cheap), dequantise after.
+        k = _dequant(k_pages[ids], k_scale).reshape(num_rows, chunk_len, num_kv_heads, -1)
+        v = _dequant(v_pages[ids], v_scale).reshape(num_rows, chunk_len, num_kv_heads, -1)
+        key_pos = c * chunk_len + jnp.arange(chunk_len, dtype=jnp.int32)  # [C]
+        mask = key_pos[None, :] <= pos[:, None]                            # [B, C]
+        # Slots past a row's position may hold anything (stale, NaN): zero them so that
+        # 0 * NaN never reaches the output.
+        k = jnp.where(mask[:, :, None, None], k, 0.0)                     # [B, C, K, H]
+        v = jnp.where(mask[:, :, None, None], v, 0.0)
+        scores = jnp.einsum("bkgh,bckh->bkgc", qg, k, precision=hi) * sm_scale
+        scores = jnp.where(mask[:, None, None, :], scores, -jnp.inf)      # [B, K, G, C]
+        new_max = jnp.maximum(row_max, jnp.max(scores, axis=-1))          # [B, K, G]
+        safe_max = jnp.where(jnp.isfinite(new_max), new_max, 0.0)
+        probs = jnp.exp(scores - safe_max[..., None])                     # [B, K, G, C]
+        rescale = jnp.exp(jnp.where(jnp.isfinite(row_max), row_max - safe_max, -jnp.inf))
+        denom = denom * rescale + jnp.sum(probs, axis=-1)
+        acc = acc * rescale[..., None] + jnp.einsum("bkgc,bckh->bkgh", probs, v, precision=hi)
+        return new_max, denom, acc
+
+    furthest = jnp.max(jnp.where(valid, pos, 0))
+    init = (jnp.full(qg.shape[:3], -jnp.inf), jnp.zeros(qg.shape[:3]), jnp.zeros(qg.shape))
+    _, denom, acc = jax.lax.fori_loop(0, jnp.minimum(furthest // chunk_len + 1, num_chunks),
+                                      chunk, init)
+    out = (acc / jnp.where(denom > 0, denom, 1.0)[..., None]).reshape(q.shape)  # [B, N, H]
     return jnp.where(valid[:, None, None], out, 0.0).astype(q.dtype)
 
 

@@ -80,3 +80,8 @@ async def test_bad_request_raises_to_the_caller_and_engine_keeps_serving(async_l
         await collect(async_llm, [3] * 500, SamplingParams(max_tokens=2))
     outs = await collect(async_llm, [3, 4], SamplingParams(temperature=0, max_tokens=2))
     assert outs[-1].finished
+
+
+def test_data_parallel_server_is_refused_with_advice(tiny_ckpt):
+    with pytest.raises(ValueError, match="data_parallel_size=2.*load balancer"):
+        AsyncLLM(str(tiny_ckpt[0]), data_parallel_size=2, **ARGS)
