@@ -10,7 +10,8 @@ import numpy as np
 import pytest
 
 from qwen_jax import tasks
-from qwen_jax.eval_tasks import TINY_MODEL, chat_template, evaluate, render_prompts
+from qwen_jax.eval_tasks import (TINY_MODEL, chat_template, evaluate, generate_texts,
+                                 render_prompts)
 from tiny_greedy import FullForwardLLM, eos_ids, hf_greedy_ids
 
 QWEN3_TOKENIZER = Path("/work/shared/fixtures/qwen3-tokenizer")
@@ -107,13 +108,15 @@ def test_full_forward_answers_are_mostly_right(full_forward):
 
 
 # ---- through the engine --------------------------------------------------------------------
+# Each configuration must reproduce the full-forward greedy texts exactly, right or wrong
+# (the copy and add answers are mostly wrong, and still a deterministic oracle).
 ENGINE_CONFIGS = {
     "all_at_once": dict(enable_prefix_caching=False),
     "chunked_prefill": dict(enable_prefix_caching=False, max_num_seqs=4,
                             max_num_batched_tokens=32),
-    "tiny_kv_pool": dict(enable_prefix_caching=False, num_gpu_blocks_override=48),
     "prefix_caching": dict(enable_prefix_caching=True),
 }
+EVAL_SEED = 5
 
 
 def _llm(**kwargs):
@@ -121,30 +124,45 @@ def _llm(**kwargs):
         from qwen_jax import LLM
     except ImportError:
         pytest.skip("qwen_jax.LLM is not importable")
-    return LLM(model=str(TINY_MODEL), max_model_len=1024, precompile=False,
-               show_progress=False, **kwargs)
+    return LLM(model=str(TINY_MODEL), precompile=False, show_progress=False, **kwargs)
 
 
-def _correctness(results):
-    return {task: correct for task, (_, correct) in results.items()}
+def _eval_prompts() -> list[str]:
+    problems = [p for t in tasks.TASKS for p in tasks.problems(t, N_PER_TASK, seed=EVAL_SEED)]
+    return render_prompts(problems, chat_template(TINY_MODEL))
 
 
 @pytest.fixture(scope="module")
-def reference_correctness(full_forward):
-    return _correctness(evaluate(full_forward, N_PER_TASK, seed=5))
+def reference_texts(full_forward):
+    return generate_texts(full_forward, _eval_prompts())
 
 
 @pytest.mark.slow
 @pytest.mark.parametrize("name", ENGINE_CONFIGS)
-def test_engine_matches_full_forward_per_problem(name, reference_correctness):
+def test_engine_matches_full_forward_per_problem(name, reference_texts, full_forward):
     llm = _llm(**ENGINE_CONFIGS[name])
     passes = 2 if name == "prefix_caching" else 1  # the second pass hits the cache
     for _ in range(passes):
-        assert _correctness(evaluate(llm, N_PER_TASK, seed=5)) == reference_correctness
+        assert generate_texts(llm, _eval_prompts()) == reference_texts
+    if name == "prefix_caching":
+        assert llm.stats()["prefix_cache_hits"] > 0
+    # evaluate() scores the same texts: its correctness equals the reference's
+    results = evaluate(llm, N_PER_TASK, seed=EVAL_SEED)
+    assert results == evaluate(full_forward, N_PER_TASK, seed=EVAL_SEED)
 
 
 @pytest.mark.slow
-def test_engine_one_request_at_a_time_matches(reference_correctness):
+def test_engine_one_request_at_a_time_matches(reference_texts):
     llm = _llm(enable_prefix_caching=False)
-    results = evaluate(llm, N_PER_TASK, seed=5, one_at_a_time=True)
-    assert _correctness(results) == reference_correctness
+    assert generate_texts(llm, _eval_prompts(), one_at_a_time=True) == reference_texts
+
+
+@pytest.mark.slow
+def test_engine_tiny_kv_pool_preempts_and_matches(full_forward):
+    """20 pages of 16 tokens: 16 list prompts of 2 pages each are admitted, then run out of
+    pages while decoding into their third page, so running requests get preempted."""
+    problems = [p for t in ("reverse", "sort") for p in tasks.problems(t, 8, seed=EVAL_SEED)]
+    prompts = render_prompts(problems, chat_template(TINY_MODEL))
+    llm = _llm(enable_prefix_caching=False, num_gpu_blocks_override=20)
+    assert generate_texts(llm, prompts) == generate_texts(full_forward, prompts)
+    assert llm.stats()["num_preemptions"] > 0
