@@ -177,10 +177,9 @@ def dense_moe(moe, x, mask):
     weights, ids = route(x2, gate, moe.top_k, moe.norm_topk_prob)  # [T', k]
     num_experts = gate.shape[-1]
     dense_w = jnp.sum(jax.nn.one_hot(ids, num_experts) * weights[..., None], axis=1)  # [T', E]
-    gu = moe.gate_up_proj[...]
-    f = gu.shape[-1] // 2
-    hid = jnp.einsum("td,edf->tef", x2, gu)  # [T', E, 2F]
-    act = jax.nn.silu(hid[..., :f]) * hid[..., f:]
+    gate_up = moe.gate_up_proj[...]  # [E, D, 2, F]
+    hid = jnp.einsum("td,edcf->tecf", x2, gate_up)  # [T', E, 2, F]
+    act = jax.nn.silu(hid[:, :, 0]) * hid[:, :, 1]  # [T', E, F]
     y = jnp.einsum("tef,efd->ted", act, moe.down_proj[...])  # [T', E, D]
     out = jnp.einsum("ted,te->td", y, dense_w.astype(x.dtype)).reshape(b, t, d)
     m = mask.reshape(-1, 1)
@@ -278,12 +277,11 @@ def hf_tensors(model: Qwen3ForCausalLM) -> dict[str, np.ndarray]:
                 for name in ("gate_proj", "up_proj", "down_proj"):
                     out[p + f"mlp.{name}.weight"] = getattr(mlp, name).kernel[j].T
                 continue
-            f = cfg.moe_intermediate_size
             out[p + "mlp.gate.weight"] = mlp.gate[j].T  # [E, D]
             for e in range(cfg.num_experts):
-                gu = mlp.gate_up_proj[j, e]  # [D, 2F]
-                out[p + f"mlp.experts.{e}.gate_proj.weight"] = gu[:, :f].T
-                out[p + f"mlp.experts.{e}.up_proj.weight"] = gu[:, f:].T
+                gate_up = mlp.gate_up_proj[j, e]  # [D, 2, F]
+                out[p + f"mlp.experts.{e}.gate_proj.weight"] = gate_up[:, 0].T
+                out[p + f"mlp.experts.{e}.up_proj.weight"] = gate_up[:, 1].T
                 out[p + f"mlp.experts.{e}.down_proj.weight"] = mlp.down_proj[j, e].T
     return {k: np.ascontiguousarray(np.asarray(v, np.float32)) for k, v in out.items()}
 
