@@ -14,8 +14,9 @@ import json
 from pathlib import Path
 
 from qwen_jax import tasks
+from qwen_jax.weights import DEFAULT_MODEL_DIR
 
-TINY_MODEL = Path(__file__).parent / "assets" / "tiny-qwen3-moe"
+TINY_MODEL = DEFAULT_MODEL_DIR
 MAX_ANSWER_TOKENS = 24
 
 

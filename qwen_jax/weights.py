@@ -35,6 +35,7 @@ def resolve_dtype(dtype) -> jnp.dtype:
 
 
 ASSETS_DIR = Path(__file__).resolve().parent / "assets"
+DEFAULT_MODEL_DIR = ASSETS_DIR / "tiny-qwen3-moe"  # what LLM() and `qwen-jax serve` load
 
 
 def list_models() -> list[str]:

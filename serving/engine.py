@@ -12,12 +12,12 @@ import numpy as np
 
 from qwen_jax.config import ModelConfig
 from qwen_jax.sharding import make_mesh, tp_size
-from qwen_jax.weights import load_model, resolve_model_path
+from qwen_jax.weights import DEFAULT_MODEL_DIR, load_model, resolve_model_path
 from serving import distributed, kv_cache
 from serving.batch import build_model_inputs
 from serving.buckets import bucket_pairs
 from serving.engine_config import EngineConfig
-from serving.kv_cache_manager import KVCacheManager, cdiv
+from serving.kv_cache_manager import KVCacheManager
 from serving.output_processor import OutputProcessor, ParentState, SeqState
 from serving.request import Request, RequestOutput, RequestStatus, SamplingParams
 from serving.runner import ModelRunner, default_compilation_cache_dir, enable_compilation_cache
@@ -26,11 +26,6 @@ from serving.scheduler import Scheduler
 
 logger = logging.getLogger(__name__)
 DEFAULT_MAX_MODEL_LEN = 4096
-DEFAULT_MODEL_DIR = Path(__file__).resolve().parent.parent / "qwen_jax" / "assets" / "tiny-qwen3-moe"
-
-
-def default_model() -> str:
-    return str(DEFAULT_MODEL_DIR)
 
 
 class LLMEngine:
@@ -42,7 +37,7 @@ class LLMEngine:
         cache_dir = config.compilation_cache_dir
         enable_compilation_cache(default_compilation_cache_dir() if cache_dir == "default" else cache_dir)
         started = time.perf_counter()
-        self.model_path = resolve_model_path(config.model or default_model())
+        self.model_path = resolve_model_path(config.model or DEFAULT_MODEL_DIR)
         self.mesh = self._make_mesh(devices)
         self.model = load_model(self.model_path, dtype=self._dtype(), impl=self._impl(),
                                 load_format=config.load_format, seed=config.seed, mesh=self.mesh)
@@ -291,6 +286,3 @@ class LLMEngine:
             "bytes_per_page": self.bytes_per_page,
             "kv_capacity_tokens": self.kv_capacity_tokens,
         }
-
-    def max_pages_for(self, num_tokens: int) -> int:
-        return cdiv(num_tokens, self.block_size)
