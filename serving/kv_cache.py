@@ -13,6 +13,7 @@ logger = logging.getLogger(__name__)
 CPU_KV_CACHE_BYTES = 1 << 30
 
 _KV_DTYPES = {"auto": None, "bfloat16": jnp.bfloat16, "float32": jnp.float32,
+              "fp8": jnp.float8_e4m3fn, "fp8_e4m3": jnp.float8_e4m3fn,
               "float16": jnp.float16}
 
 

@@ -178,3 +178,22 @@ def test_max_model_len_defaults_to_the_models(tiny_ckpt, compile_cache):
     with pytest.raises(ValueError, match="max_model_len=512 exceeds"):
         LLMEngine(engine_config_from_kwargs(str(tiny_ckpt[0]), precompile=False,
                                             max_model_len=512))
+
+
+def test_fp8_kv_cache_quarters_page_bytes_and_stays_close(llm, tiny_ckpt, compile_cache):
+    fp8 = LLM(str(tiny_ckpt[0]), compilation_cache_dir=compile_cache, kv_cache_dtype="fp8_e4m3",
+              **ENGINE_ARGS)
+    assert fp8.stats()["bytes_per_page"] * 4 == llm.stats()["bytes_per_page"]  # vs float32
+    assert fp8.llm_engine.runner.kv_caches[0][0].dtype == np.dtype("float8_e4m3fn")
+    prompts = [ids_prompt(p) for p in make_prompts([5, 33, 12], seed=31)]
+    params = SamplingParams(temperature=0.0, max_tokens=4, ignore_eos=True, logprobs=0)
+    for ours, base in zip(fp8.generate(prompts, params), llm.generate(prompts, params)):
+        # Scale 1.0 (vLLM's default without calibration): same first token, close logprobs.
+        assert ours.outputs[0].token_ids[0] == base.outputs[0].token_ids[0]
+        first = lambda o: o.outputs[0].logprobs[0][o.outputs[0].token_ids[0]].logprob
+        assert abs(first(ours) - first(base)) < 0.05
+
+
+def test_unknown_kv_cache_dtype_names_the_choices(tiny_ckpt):
+    with pytest.raises(ValueError, match="kv_cache_dtype must be one of .*fp8_e4m3"):
+        LLM(str(tiny_ckpt[0]), kv_cache_dtype="int4", precompile=False, **ENGINE_ARGS)
