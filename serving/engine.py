@@ -19,7 +19,7 @@ from serving.buckets import bucket_pairs
 from serving.engine_config import EngineConfig
 from serving.kv_cache_manager import KVCacheManager
 from serving.output_processor import OutputProcessor, ParentState, SeqState
-from serving.request import Request, RequestOutput, RequestStatus, SamplingParams
+from serving.request import Request, RequestOutput, SamplingParams
 from serving.runner import ModelRunner, default_compilation_cache_dir, enable_compilation_cache
 from serving.sampler import NUM_BLOCKED, build_sampling_arrays, uses_penalties
 from serving.scheduler import Scheduler

@@ -8,6 +8,7 @@ preemption recomputes it. Logprobs are of the raw model distribution (vLLM's def
 from __future__ import annotations
 
 import dataclasses
+import functools
 
 import jax
 import jax.numpy as jnp
@@ -38,6 +39,15 @@ class SamplingArrays:
     num_prompt_tokens: np.ndarray  # i32[S]: how many of penalty_tokens are prompt
 
 
+@functools.lru_cache(maxsize=64)
+def _no_penalty_tokens(num_seqs: int, width: int) -> np.ndarray:
+    """The all-padding [S, W] penalty array, built once per shape and shared read-only:
+    most steps use no penalties and should not allocate and fill it again."""
+    template = np.full((num_seqs, width), -1, np.int32)
+    template.flags.writeable = False
+    return template
+
+
 def build_sampling_arrays(entries, num_padded_seqs: int, max_model_len: int) -> SamplingArrays:
     """entries: per real sequence (params, seed, output_index, blocked ids, token ids or None,
     num prompt tokens). Rows past the real sequences are greedy padding."""
@@ -48,7 +58,7 @@ def build_sampling_arrays(entries, num_padded_seqs: int, max_model_len: int) -> 
         presence_penalty=np.zeros(s, np.float32), frequency_penalty=np.zeros(s, np.float32),
         repetition_penalty=np.ones(s, np.float32), seed=np.zeros(s, np.uint32),
         output_index=np.zeros(s, np.int32), blocked_ids=np.full((s, NUM_BLOCKED), -1, np.int32),
-        penalty_tokens=np.full((s, max_model_len), -1, np.int32),
+        penalty_tokens=_no_penalty_tokens(s, max_model_len),
         num_prompt_tokens=np.zeros(s, np.int32))
     for i, (p, seed, out_idx, blocked, tokens, num_prompt) in enumerate(entries):
         arrays.temperature[i] = p.temperature
@@ -60,6 +70,8 @@ def build_sampling_arrays(entries, num_padded_seqs: int, max_model_len: int) -> 
         if blocked:
             arrays.blocked_ids[i, :len(blocked)] = blocked
         if tokens is not None:  # only requests that use penalties pay for this copy
+            if not arrays.penalty_tokens.flags.writeable:
+                arrays.penalty_tokens = arrays.penalty_tokens.copy()
             arrays.penalty_tokens[i, :len(tokens)] = tokens
             arrays.num_prompt_tokens[i] = num_prompt
     return arrays

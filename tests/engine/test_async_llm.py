@@ -4,7 +4,7 @@ import asyncio
 
 import pytest
 
-from qwen_jax import AsyncLLM, LLM, SamplingParams
+from qwen_jax import AsyncLLM, SamplingParams
 from tests.engine.conftest import make_prompts
 
 ARGS = dict(max_num_seqs=8, max_num_batched_tokens=64, max_model_len=128,
