@@ -2,6 +2,10 @@
 
     python -m qwen_jax.eval_tasks [--n 500] [--model PATH] [--seed 0] [engine options]
 
+Prompts use the chat template in thinking mode (its default): the model writes a think
+block (empty for the list and copy tasks, the sum's digits ones-first for addition) and
+then its answer; the text after `</think>` must equal the answer exactly.
+
 Prints one line per task: `TASK accuracy=0.973 n=500`. Any difference in per-problem
 correctness between engine configurations (one request at a time, all at once, chunked
 prefill, preemption, prefix caching) is a serving bug: greedy decoding is deterministic.
@@ -11,13 +15,14 @@ from __future__ import annotations
 
 import argparse
 import json
+import sys
 from pathlib import Path
 
 from qwen_jax import tasks
 from qwen_jax.weights import DEFAULT_MODEL_DIR
 
 TINY_MODEL = DEFAULT_MODEL_DIR
-MAX_ANSWER_TOKENS = 24
+MAX_ANSWER_TOKENS = 32  # the think block and the answer
 
 
 def chat_template(model_path: str | Path) -> str:
@@ -26,12 +31,11 @@ def chat_template(model_path: str | Path) -> str:
 
 
 def render_prompts(problems: list[tasks.Problem], template: str) -> list[str]:
-    """Chat-formatted prompt strings with the empty think block (enable_thinking=False)."""
+    """Chat-formatted prompt strings ending at `<|im_start|>assistant\n` (thinking mode)."""
     import jinja2
     env = jinja2.Environment(trim_blocks=True, lstrip_blocks=True)
     compiled = env.from_string(template)
-    return [compiled.render(messages=p.messages, add_generation_prompt=True,
-                            enable_thinking=False) for p in problems]
+    return [compiled.render(messages=p.messages, add_generation_prompt=True) for p in problems]
 
 
 def _sampling_params():
@@ -61,7 +65,7 @@ def evaluate(llm, n: int, seed: int = 0, *, model_path: str | Path = TINY_MODEL,
         problems = tasks.problems(task, n, seed=seed, split="eval")
         texts = generate_texts(llm, render_prompts(problems, template),
                                one_at_a_time=one_at_a_time)
-        correct = [text.strip() == p.answer for text, p in zip(texts, problems)]
+        correct = [tasks.final_answer(text) == p.answer for text, p in zip(texts, problems)]
         results[task] = (sum(correct) / max(1, n), correct)
     return results
 
@@ -87,6 +91,9 @@ def main(argv=None) -> None:
     ap.add_argument("--seed", type=int, default=0)
     ap.add_argument("--tasks", default=",".join(tasks.TASKS))
     ap.add_argument("--one-at-a-time", action="store_true", help="one request per generate()")
+    ap.add_argument("--passes", type=int, default=1,
+                    help="evaluate N times on one engine (with prefix caching, later passes "
+                         "hit the cache); prints each pass")
     for name in ("max-num-seqs", "max-num-batched-tokens", "max-model-len", "block-size",
                  "num-gpu-blocks-override"):
         ap.add_argument(f"--{name}", type=int, default=None)
@@ -94,9 +101,18 @@ def main(argv=None) -> None:
     args = ap.parse_args(argv)
     from qwen_jax import LLM
     llm = LLM(model=args.model, **_engine_kwargs(args))
-    results = evaluate(llm, args.n, args.seed, model_path=args.model,
-                       task_names=tuple(args.tasks.split(",")), one_at_a_time=args.one_at_a_time)
-    print(format_results(results))
+    if args.passes < 1:
+        ap.error(f"--passes must be at least 1, got {args.passes}")
+    for number in range(args.passes):
+        results = evaluate(llm, args.n, args.seed, model_path=args.model,
+                           task_names=tuple(args.tasks.split(",")),
+                           one_at_a_time=args.one_at_a_time)
+        if args.passes > 1:
+            print(f"# pass {number + 1}")
+        print(format_results(results))
+    stats = llm.stats()
+    print(f"# engine: preemptions={stats['num_preemptions']} "
+          f"prefix_cache_hit_rate={stats['prefix_cache_hit_rate']:.3f}", file=sys.stderr)
 
 
 if __name__ == "__main__":

@@ -32,11 +32,22 @@ goes comes turns waits stays falls rises grows moves looks calls helps plays thi
 class Problem:
     task: str
     prompt: str  # the user message
-    answer: str  # the exact assistant reply
+    answer: str  # the exact final answer (the reply after the think block)
+    reasoning: str = ""  # what the model writes inside <think>...</think> ("" for none)
 
     @property
     def messages(self) -> list[dict]:
         return [{"role": "user", "content": self.prompt}]
+
+    @property
+    def completion(self) -> str:
+        """The whole assistant turn after `<|im_start|>assistant\n`, as Qwen3 writes it."""
+        return f"<think>\n{self.reasoning}\n</think>\n\n{self.answer}"
+
+
+def final_answer(text: str) -> str:
+    """The reply after the think block (as vLLM's qwen3 reasoning parser splits it)."""
+    return text.rsplit("</think>", 1)[-1].strip()
 
 
 def _number(rng: np.random.Generator, max_digits: int) -> int:
@@ -46,8 +57,9 @@ def _number(rng: np.random.Generator, max_digits: int) -> int:
 
 
 def make_add(rng: np.random.Generator) -> Problem:
+    """The model thinks first: the sum's digits, ones first (the order the carries flow)."""
     a, b = _number(rng, 3), _number(rng, 3)
-    return Problem("add", f"What is {a} + {b}?", str(a + b))
+    return Problem("add", f"What is {a} + {b}?", str(a + b), " ".join(str(a + b)[::-1]))
 
 
 def _digit_list(rng: np.random.Generator) -> list[int]:
@@ -70,12 +82,14 @@ def _filler(rng: np.random.Generator, num_words: int) -> str:
     return " ".join(FILLER_WORDS[i] for i in rng.integers(0, len(FILLER_WORDS), size=num_words))
 
 
-def make_copy(rng: np.random.Generator) -> Problem:
-    """A code of 4-8 distinct capitals, then 150-300 filler words, then the question."""
+def make_copy(rng: np.random.Generator, min_words: int = 150, max_words: int = 300) -> Problem:
+    """A code of 4-8 distinct capitals, then min-max filler words, then the question.
+
+    Evaluation uses the default 150-300 words; training may start shorter (a curriculum)."""
     length = int(rng.integers(4, 9))
     code = "".join(rng.choice(list(string.ascii_uppercase), size=length, replace=False))
-    num_words = int(rng.integers(150, 301))
-    before = int(rng.integers(0, 41))
+    num_words = int(rng.integers(min_words, max_words + 1))
+    before = int(rng.integers(0, min(40, num_words) + 1))
     text = (f"{_filler(rng, before)}\ncode:\n{code}\n{_filler(rng, num_words - before)}"
             f"\nWhat was the code?")
     return Problem("copy", "Remember the code.\n" + text.lstrip("\n"), code)

@@ -3,15 +3,20 @@
     nice -n 10 python scripts/train_tiny.py [--out DIR] [--steps N]
 
 Builds a byte-level BPE tokenizer with Qwen3's special tokens and chat template, trains a
-small Qwen3-MoE on the generated tasks of `qwen_jax.tasks` (loss on assistant tokens only),
-and writes a normal HF checkpoint directory. Training uses a dense causal forward over the
-model's own parameter pytree (every expert computed, weighted by the router), checked
-against `Qwen3ForCausalLM.__call__` before training starts.
+small Qwen3-MoE on the generated tasks of `qwen_jax.tasks` (loss on the assistant turn
+only: its think block, answer and `<|im_end|>`), and writes a normal HF checkpoint
+directory. Training uses a dense causal forward over the model's own parameter pytree
+(every expert computed, weighted by the router), checked against
+`Qwen3ForCausalLM.__call__` before training starts. Each step holds 32 `add`, 12
+`reverse`, 12 `sort` and a curriculum stage's worth of `copy` problems (COPY_STAGES);
+the log shows teacher-forced exact match on held-out problems, which equals greedy
+exact match.
 """
 
 from __future__ import annotations
 
 import argparse
+import functools
 import json
 import time
 from pathlib import Path
@@ -30,6 +35,7 @@ from qwen_jax.model import Qwen3ForCausalLM
 from qwen_jax.moe import route
 
 DEFAULT_OUT = Path(__file__).resolve().parents[1] / "qwen_jax/assets/tiny-qwen3-moe"
+MONITOR_SEED = 12_345
 SPECIAL = ("<|endoftext|>", "<|im_start|>", "<|im_end|>")
 THINK = ("<think>", "</think>")  # added, not special (as in Qwen3)
 QWEN_SPLIT = (r"(?i:'s|'t|'re|'ve|'m|'ll|'d)|[^\r\n\p{L}\p{N}]?\p{L}+|\p{N}| ?[^\s\p{L}\p{N}]+"
@@ -76,7 +82,9 @@ def train_tokenizer(vocab_size: int, seed: int) -> Tokenizer:
     corpus = ["user\n", "assistant\n", "system\n", "\n\n"] * 500
     for task in tasks.TASKS:
         for p in tasks.problems(task, 400, seed=seed, split="train"):
-            corpus += [p.prompt, p.answer]
+            # A copy code is random capitals: merges learnt from it would split each code
+            # into rare capital pairs, so codes stay out and tokenize one letter per token.
+            corpus += [p.prompt.replace(p.answer, ""), ""] if task == "copy" else [p.prompt, p.answer]
     trainer = trainers.BpeTrainer(vocab_size=vocab_size, show_progress=False,
                                   initial_alphabet=pre_tokenizers.ByteLevel.alphabet())
     tok.train_from_iterator(corpus, trainer)
@@ -106,28 +114,33 @@ def save_tokenizer(tok: Tokenizer, out: Path) -> None:
     (out / "tokenizer_config.json").write_text(json.dumps(config, indent=2) + "\n")
 
 
-def render_prompt(messages: list[dict]) -> str:
+@functools.cache
+def _compiled_template():
     import jinja2
-    env = jinja2.Environment(trim_blocks=True, lstrip_blocks=True)
-    return env.from_string(CHAT_TEMPLATE).render(
-        messages=messages, add_generation_prompt=True, enable_thinking=False)
+    return jinja2.Environment(trim_blocks=True, lstrip_blocks=True).from_string(CHAT_TEMPLATE)
+
+
+def render_prompt(messages: list[dict]) -> str:
+    return _compiled_template().render(messages=messages, add_generation_prompt=True)
 
 
 # ---- data --------------------------------------------------------------------------------
 def encode_problem(tok: Tokenizer, p: tasks.Problem) -> tuple[list[int], list[int]]:
-    """(prompt ids, answer ids + <|im_end|>) tokenized separately, as at inference."""
+    """(prompt ids, completion ids + <|im_end|>) tokenized separately, as at inference.
+
+    The prompt ends at `<|im_start|>assistant\n` (thinking mode, the template's default);
+    the completion is the think block then the answer. For a problem without reasoning the
+    whole sequence equals the `enable_thinking=False` prompt followed by the answer, so
+    the model serves both modes."""
     prompt = tok.encode(render_prompt(p.messages)).ids
-    return prompt, tok.encode(p.answer).ids + [tok.token_to_id("<|im_end|>")]
+    return prompt, tok.encode(p.completion).ids + [tok.token_to_id("<|im_end|>")]
 
 
-def make_batch(tok, rng, task_counts: dict[str, int], seq_len: int, pad_id: int,
-               answer_len: int = 17):
-    """-> (ids int32[B, T], non-pad f32[B, T], answer positions int32[B, A], their next
-    tokens int32[B, A], answer mask f32[B, A]). Position i predicts token i + 1."""
-    rows = []
-    for task, count in task_counts.items():
-        for _ in range(count):
-            rows.append(encode_problem(tok, tasks.MAKERS[task](rng)))
+def make_batch(tok, rng, makers: list, seq_len: int, pad_id: int, answer_len: int = 32):
+    """makers: problem makers, one row each -> (ids int32[B, T], non-pad f32[B, T], answer
+    positions int32[B, A], their next tokens int32[B, A], answer mask f32[B, A]).
+    Position i predicts token i + 1."""
+    rows = [encode_problem(tok, make(rng)) for make in makers]
     ids = np.full((len(rows), seq_len), pad_id, np.int32)
     pos = np.zeros((len(rows), answer_len), np.int32)
     targets = np.zeros((len(rows), answer_len), np.int32)
@@ -143,13 +156,27 @@ def make_batch(tok, rng, task_counts: dict[str, int], seq_len: int, pad_id: int,
     return ids, (ids != pad_id).astype(np.float32), pos, targets, mask
 
 
+# Copy curriculum: (max filler words, padded length, problems per step). Training starts
+# on short contexts, where the copy circuit forms quickly, and moves to the next stage once
+# the model copies 90% of held-out problems of the current one; the last is the eval's
+# 150-300 words. Rows per step shrink as contexts grow.
+COPY_STAGES = ((16, 64, 32), (40, 128, 24), (100, 192, 12), (180, 256, 8), (300, 352, 6))
+COPY_ADVANCE = 0.9
+COPY_CHECK_EVERY = 50
+
+
+def copy_maker(stage: int):
+    max_words = COPY_STAGES[stage][0]
+    return functools.partial(tasks.make_copy, min_words=max_words // 2, max_words=max_words)
+
+
 # ---- model -------------------------------------------------------------------------------
 def tiny_config(vocab_size: int, im_end: int, eot: int) -> ModelConfig:
     return ModelConfig(
         vocab_size=vocab_size, hidden_size=128, intermediate_size=256, num_hidden_layers=4,
         num_attention_heads=4, num_key_value_heads=2, head_dim=32, rope_theta=10_000.0,
         max_position_embeddings=1024, num_experts=8, num_experts_per_tok=2,
-        moe_intermediate_size=32, norm_topk_prob=True, mlp_only_layers=(0,),
+        moe_intermediate_size=32, norm_topk_prob=True, mlp_only_layers=(2,),
         bos_token_id=eot, eos_token_id=im_end)
 
 
@@ -234,15 +261,29 @@ def loss_fn(params, graphdef, rest, batch, aux_weight):
 
 def make_train_step(graphdef, rest, optimizer, aux_weight):
     @jax.jit
-    def step(params, opt_state, short_batch, long_batch):
+    def step(params, opt_state, batches):
         def total(p):
-            a, (ce_a, aux_a) = loss_fn(p, graphdef, rest, short_batch, aux_weight)
-            b, (ce_b, aux_b) = loss_fn(p, graphdef, rest, long_batch, aux_weight)
-            return a + b, (ce_a, ce_b, aux_a + aux_b)
-        (loss, metrics), grads = jax.value_and_grad(total, has_aux=True)(params)
+            losses = [loss_fn(p, graphdef, rest, b, aux_weight) for b in batches]
+            return sum(l for l, _ in losses), ([m[0] for _, m in losses],
+                                               sum(m[1] for _, m in losses))
+        (_, metrics), grads = jax.value_and_grad(total, has_aux=True)(params)
         updates, opt_state = optimizer.update(grads, opt_state, params)
         return optax.apply_updates(params, updates), opt_state, metrics
     return step
+
+
+def make_exact_match(graphdef, rest):
+    """Teacher-forced exact match: every completion token is the argmax given the ones
+    before it, which is exactly when greedy decoding reproduces the completion."""
+    @jax.jit
+    def exact(params, batch):
+        ids, token_mask, pos, targets, mask = batch
+        model = nnx.merge(graphdef, params, rest)
+        hidden, _ = dense_hidden(model, ids, token_mask)
+        hidden = jnp.take_along_axis(hidden, pos[..., None], axis=1)
+        pred = jnp.argmax(model.compute_logits(hidden), axis=-1)
+        return jnp.mean(jnp.all((pred == targets) | (mask == 0), axis=1))
+    return exact
 
 
 def check_dense_forward(model: Qwen3ForCausalLM, vocab: int) -> float:
@@ -303,13 +344,17 @@ def save_checkpoint(model: Qwen3ForCausalLM, tok: Tokenizer, out: Path) -> None:
 def main(argv=None) -> None:
     ap = argparse.ArgumentParser(description=__doc__.split("\n")[0])
     ap.add_argument("--out", type=Path, default=DEFAULT_OUT)
-    ap.add_argument("--steps", type=int, default=700)
+    ap.add_argument("--steps", type=int, default=2500)
     ap.add_argument("--lr", type=float, default=3e-3)
     ap.add_argument("--seed", type=int, default=0)
-    ap.add_argument("--short-per-task", type=int, default=16)
-    ap.add_argument("--num-copy", type=int, default=4)
+    ap.add_argument("--num-add", type=int, default=32, help="add problems per step")
+    ap.add_argument("--num-reverse", type=int, default=12)
+    ap.add_argument("--num-sort", type=int, default=12)
     ap.add_argument("--log-every", type=int, default=100)
-    ap.add_argument("--vocab", type=int, default=1024)
+    ap.add_argument("--save-every", type=int, default=0,
+                    help="also write the checkpoint every N steps (0: only at the end)")
+    ap.add_argument("--vocab", type=int, default=1024,
+                    help="tokenizer size limit (BPE stops earlier when no pair repeats)")
     ap.add_argument("--tokenizer-only", action="store_true")
     args = ap.parse_args(argv)
     jax.config.update("jax_default_matmul_precision", "highest")
@@ -333,17 +378,37 @@ def main(argv=None) -> None:
                             optax.adamw(schedule, b2=0.98, weight_decay=0.01))
     opt_state = optimizer.init(params)
     step_fn = make_train_step(graphdef, rest, optimizer, aux_weight=0.01)
+    exact_fn = make_exact_match(graphdef, rest)
+    # Progress monitor: held-out problems under a seed that eval_tasks does not use.
+    monitor_rng = tasks.task_rng("add", "eval", MONITOR_SEED)
+    monitor = {t: make_batch(tok, monitor_rng, [tasks.MAKERS[t]] * 128,
+                             352 if t == "copy" else 48, pad_id) for t in tasks.TASKS}
+    copy_monitor = functools.cache(lambda stage: make_batch(
+        tok, tasks.task_rng("copy", "eval", MONITOR_SEED + 1 + stage),
+        [copy_maker(stage)] * 64, COPY_STAGES[stage][1], pad_id))
     rng = np.random.default_rng([args.seed, 7])
-    short = {t: args.short_per_task for t in ("add", "reverse", "sort")}
-    start = time.time()
+    stage, start = 0, time.time()
     for step in range(args.steps):
-        short_batch = make_batch(tok, rng, short, 64, pad_id)
-        long_batch = make_batch(tok, rng, {"copy": args.num_copy}, 352, pad_id)
-        params, opt_state, metrics = step_fn(params, opt_state, short_batch, long_batch)
+        max_words, copy_len, num_copy = COPY_STAGES[stage]
+        batches = (make_batch(tok, rng, [tasks.make_add] * args.num_add, 40, pad_id),
+                   make_batch(tok, rng, [tasks.make_reverse] * args.num_reverse
+                              + [tasks.make_sort] * args.num_sort, 48, pad_id),
+                   make_batch(tok, rng, [copy_maker(stage)] * num_copy, copy_len, pad_id))
+        params, opt_state, metrics = step_fn(params, opt_state, batches)
+        if (stage < len(COPY_STAGES) - 1 and step % COPY_CHECK_EVERY == COPY_CHECK_EVERY - 1
+                and float(exact_fn(params, copy_monitor(stage))) >= COPY_ADVANCE):
+            stage += 1
+            print(f"step {step:5d}  copy curriculum -> up to {COPY_STAGES[stage][0]} words",
+                  flush=True)
         if step % args.log_every == 0 or step == args.steps - 1:
-            ce_short, ce_copy, aux = (float(m) for m in metrics)
-            print(f"step {step:5d}  ce short {ce_short:.4f}  copy {ce_copy:.4f}  aux {aux:.3f}"
-                  f"  {time.time() - start:6.0f}s", flush=True)
+            ce, aux = metrics
+            exact = {t: float(exact_fn(params, b)) for t, b in monitor.items()}
+            print(f"step {step:5d}  ce add {ce[0]:.3f} reverse/sort {ce[1]:.3f} copy {ce[2]:.3f}"
+                  f" ({max_words} words)  aux {float(aux):.3f}  teacher-forced exact "
+                  + " ".join(f"{t} {v:.3f}" for t, v in exact.items())
+                  + f"  {time.time() - start:5.0f}s", flush=True)
+        if args.save_every and step and step % args.save_every == 0:
+            save_checkpoint(nnx.merge(graphdef, params, rest), tok, args.out)
     model = nnx.merge(graphdef, params, rest)
     save_checkpoint(model, tok, args.out)
     print(f"wrote {args.out}")

@@ -49,6 +49,11 @@ def test_tokenizer_has_qwen3_special_tokens(hf_tokenizer):
     assert vocab["<|im_end|>"] in eos_ids(TINY_MODEL)
 
 
+def test_copy_codes_are_one_capital_per_token(hf_tokenizer):
+    for code in ("QXBR", "YFJHMZ", "ABCDEFGH"):
+        assert hf_tokenizer.tokenize(code) == list(code)
+
+
 def test_chat_template_renders_qwen3_layout(hf_tokenizer):
     user = [{"role": "user", "content": "What is 2 + 3?"}]
     rendered = hf_tokenizer.apply_chat_template(user, tokenize=False, add_generation_prompt=True,
@@ -104,12 +109,22 @@ def test_hf_greedy_answers_equal_ours(full_forward, hf_model):
 def test_full_forward_answers_are_mostly_right(full_forward):
     results = evaluate(full_forward, N_PER_TASK, seed=3)
     accuracy = np.mean([c for _, correct in results.values() for c in correct])
-    assert accuracy >= 0.5, results
+    assert accuracy >= 0.9, results
+
+
+def test_addition_thinks_ones_digit_first_then_answers(full_forward):
+    """The README's example: the think block holds the sum's digits, ones first."""
+    prompt = render_prompts([tasks.Problem("add", "What is 385 + 47?", "432")],
+                            chat_template(TINY_MODEL))
+    (text,) = generate_texts(full_forward, prompt)
+    assert text == "<think>\n2 3 4\n</think>\n\n432"
+    assert tasks.final_answer(text) == "432"
 
 
 # ---- through the engine --------------------------------------------------------------------
-# Each configuration must reproduce the full-forward greedy texts exactly, right or wrong
-# (the copy and add answers are mostly wrong, and still a deterministic oracle).
+# Each configuration must reproduce the full-forward greedy texts exactly, right or wrong:
+# the texts include the think block, so a wrong page or position shows even when the
+# final answer happens to survive it.
 ENGINE_CONFIGS = {
     "all_at_once": dict(enable_prefix_caching=False),
     "chunked_prefill": dict(enable_prefix_caching=False, max_num_seqs=4,

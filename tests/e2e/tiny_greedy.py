@@ -12,6 +12,7 @@ import numpy as np
 from flax import nnx
 from tokenizers import Tokenizer
 
+from qwen_jax.eval_tasks import MAX_ANSWER_TOKENS
 from qwen_jax.weights import load_model
 
 
@@ -37,7 +38,7 @@ class FullForwardLLM:
     """Stands in for `qwen_jax.LLM` in `evaluate`: greedy decoding that re-runs
     `Qwen3ForCausalLM.__call__` over the whole right-padded batch at every step."""
 
-    def __init__(self, model_path, max_tokens: int = 24, bucket: int = 64):
+    def __init__(self, model_path, max_tokens: int = MAX_ANSWER_TOKENS, bucket: int = 64):
         self.model = load_model(model_path)
         self.tokenizer = Tokenizer.from_file(str(Path(model_path) / "tokenizer.json"))
         self.eos = eos_ids(model_path)
@@ -77,7 +78,8 @@ def _strip_eos(ids: list[int], eos: set[int]) -> list[int]:
     return ids[:-1] if ids and ids[-1] in eos else ids
 
 
-def hf_greedy_ids(hf_model, prompts: list[list[int]], eos: set[int], max_tokens: int = 24):
+def hf_greedy_ids(hf_model, prompts: list[list[int]], eos: set[int],
+                  max_tokens: int = MAX_ANSWER_TOKENS):
     import torch
     out = []
     for prompt in prompts:
