@@ -132,6 +132,7 @@ def _run_bench_throughput(args) -> int:
 # ---- serve -----------------------------------------------------------------------------
 def _add_serve(subparsers) -> None:
     from serving.cli_args import add_engine_args
+    from serving.reasoning import REASONING_PARSERS
     p = subparsers.add_parser(
         "serve", help="OpenAI-compatible HTTP server (completions, chat, metrics)",
         description="Serve the model over an OpenAI-compatible REST API (see docs/api.md). "
@@ -148,6 +149,10 @@ def _add_serve(subparsers) -> None:
                    help="seconds in-flight requests get to finish on SIGTERM before abort")
     p.add_argument("--log-interval", type=float, default=10.0,
                    help="seconds between throughput / KV-usage log lines (0: off)")
+    p.add_argument("--reasoning-parser", default=None, choices=sorted(REASONING_PARSERS),
+                   help="split a thinking model's chat replies: <think>...</think> goes to "
+                        "message.reasoning_content (delta.reasoning_content when streamed), "
+                        "the rest to content (default: none, all in content)")
     add_engine_args(p)
     p.set_defaults(func=_run_serve)
 

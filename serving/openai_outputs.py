@@ -11,6 +11,7 @@ from collections.abc import AsyncIterator
 
 from serving import openai_protocol as proto
 from serving.metrics import Metrics
+from serving.reasoning import Qwen3ReasoningParser
 from serving.request import CompletionOutput, RequestOutput, SamplingParams
 
 LOGPROB_FLOOR = -9999.0  # JSON has no -inf; vLLM clamps the same way
@@ -107,6 +108,7 @@ class Job:
     prompts: list[list[int]]
     params: list[SamplingParams]
     metrics: Metrics
+    reasoning_parser: type[Qwen3ReasoningParser] | None = None  # chat only
 
     def __post_init__(self) -> None:
         self.created = int(time.time())
@@ -114,6 +116,7 @@ class Job:
         self.latest: list[RequestOutput | None] = [None] * len(self.prompts)
         self.trackers = [self.metrics.tracker() for _ in self.prompts]
         self.deltas: dict[int, proto.DeltaTracker] = {}
+        self.reasoning: dict[int, Qwen3ReasoningParser] = {}
 
     @property
     def chat(self) -> bool:
@@ -161,13 +164,19 @@ class Job:
         if delta is not None:
             choice["delta"] = delta
         elif self.chat:
-            choice["message"] = {"role": "assistant", "content": text}
+            choice["message"] = self._message(text)
         else:
             choice["text"] = text
         choice["logprobs"] = self._logprobs(c, start, stop, text_offset)
         choice["finish_reason"] = finish_reason
         choice["stop_reason"] = c.stop_reason if finish_reason else None
         return choice
+
+    def _message(self, text: str) -> dict:
+        if self.reasoning_parser is None:
+            return {"role": "assistant", "content": text}
+        reasoning, content = self.reasoning_parser.extract(text)
+        return {"role": "assistant", "content": content, "reasoning_content": reasoning}
 
     # ---- streaming ---------------------------------------------------------------------
     def _chunk(self, choices: list[dict]) -> dict:
@@ -195,12 +204,22 @@ class Job:
                 continue
             text, start, stop = advanced
             finish = c.finish_reason if tracker.done else None
-            delta = None
-            if self.chat:
-                delta = {"role": "assistant", "content": text} if first else {"content": text}
+            delta = self._delta(index, text, first, tracker.done) if self.chat else None
             out.append(self._chunk([self._choice(index, c, text, start, stop, finish,
                                                  delta=delta, text_offset=num_chars)]))
         return out
+
+    def _delta(self, index: int, text: str, first: bool, finished: bool) -> dict:
+        delta = {"role": "assistant"} if first else {}
+        if self.reasoning_parser is None:
+            return {**delta, "content": text}
+        parser = self.reasoning.setdefault(index, self.reasoning_parser())
+        reasoning, content = parser.feed(text, finished)
+        if reasoning:
+            delta["reasoning_content"] = reasoning
+        if content or not reasoning:  # a chunk that holds text back still says content ""
+            delta["content"] = content
+        return delta
 
     def usage_chunk(self) -> dict:
         return {**self._chunk([]), "usage": self.usage()}

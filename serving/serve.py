@@ -68,7 +68,8 @@ def run(args, engine_kwargs: dict) -> int:
                           api_key=args.api_key or os.environ.get("QWEN_JAX_API_KEY") or None,
                           served_model_name=args.served_model_name,
                           max_request_body_mb=args.max_request_body_mb,
-                          shutdown_timeout=args.shutdown_timeout, log_interval=args.log_interval)
+                          shutdown_timeout=args.shutdown_timeout, log_interval=args.log_interval,
+                          reasoning_parser=args.reasoning_parser)
     started = time.perf_counter()
     llm = AsyncLLM(args.model, **engine_kwargs)
     print(startup_report(llm, time.perf_counter() - started), flush=True)

@@ -21,6 +21,7 @@ from serving import openai_protocol as proto
 from serving.metrics import CONTENT_TYPE, Metrics
 from serving.openai_protocol import APIError
 from serving.openai_outputs import Job, merge, sse
+from serving.reasoning import reasoning_parser_class
 from serving.scheduler import QueueFullError
 
 logger = logging.getLogger("qwen_jax.server")
@@ -38,6 +39,7 @@ class ServerConfig:
     shutdown_timeout: float = 30.0  # seconds in-flight requests get to finish on SIGTERM
     log_interval: float = 10.0  # seconds between throughput lines; 0 disables
     retry_after: int = 1  # seconds, sent with 503 when the waiting queue is full
+    reasoning_parser: str | None = None  # e.g. "qwen3": chat replies split out reasoning_content
 
     def __post_init__(self) -> None:
         if not 0 <= self.port <= 65535:
@@ -46,6 +48,8 @@ class ServerConfig:
             raise ValueError(f"max_request_body_mb must be > 0, got {self.max_request_body_mb}")
         if self.shutdown_timeout < 0:
             raise ValueError(f"shutdown_timeout must be >= 0, got {self.shutdown_timeout}")
+        if self.reasoning_parser is not None:
+            reasoning_parser_class(self.reasoning_parser)
 
 
 def json_error(status: int, message: str, param: str | None = None,
@@ -65,6 +69,8 @@ class OpenAIServer:
         self.tokenizer = llm.tokenizer
         self.max_body = int(config.max_request_body_mb * 2**20)
         self.metrics = Metrics(llm, self.model_name)
+        self.reasoning_parser = (reasoning_parser_class(config.reasoning_parser)
+                                 if config.reasoning_parser else None)
         self.draining = False
         self.created = int(time.time())
 
@@ -181,7 +187,8 @@ class OpenAIServer:
         params = [proto.sampling_params(req, len(ids), self.max_model_len, prompt_param)
                   for ids in prompts]
         job = Job(kind=kind, request_id=f"{kind}-{uuid.uuid4().hex}", model=self.model_name,
-                  req=req, prompts=prompts, params=params, metrics=self.metrics)
+                  req=req, prompts=prompts, params=params, metrics=self.metrics,
+                  reasoning_parser=self.reasoning_parser if kind == "chatcmpl" else None)
         request[LOG].update(id=job.request_id, prompt_tokens=sum(map(len, prompts)))
         gens = [self.llm.generate({"prompt_token_ids": ids}, p,
                                   request_id=f"{job.request_id}-{i}", priority=req.priority)

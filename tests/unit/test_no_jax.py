@@ -4,7 +4,8 @@ import subprocess
 import sys
 
 MODULES = ["serving.request", "serving.block_pool", "serving.kv_cache_manager",
-           "serving.scheduler", "serving.buckets", "serving.batch", "serving.config"]
+           "serving.scheduler", "serving.buckets", "serving.batch", "serving.config",
+           "serving.reasoning"]
 
 
 def test_core_modules_do_not_import_jax():
