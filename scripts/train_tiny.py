@@ -84,7 +84,7 @@ def train_tokenizer(vocab_size: int, seed: int) -> Tokenizer:
         for p in tasks.problems(task, 400, seed=seed, split="train"):
             # A copy code is random capitals: merges learnt from it would split each code
             # into rare capital pairs, so codes stay out and tokenize one letter per token.
-            corpus += [p.prompt.replace(p.answer, ""), ""] if task == "copy" else [p.prompt, p.answer]
+            corpus += [p.prompt.replace(p.answer, "")] if task == "copy" else [p.prompt, p.answer]
     trainer = trainers.BpeTrainer(vocab_size=vocab_size, show_progress=False,
                                   initial_alphabet=pre_tokenizers.ByteLevel.alphabet())
     tok.train_from_iterator(corpus, trainer)
