@@ -80,15 +80,21 @@ def test_group_not_a_power_of_two_and_explicit_blocks():
     _compare(case, sm_scale=0.125, tol=1e-4, block_q=4, block_k=32)
 
 
-def test_jits_with_traced_num_seqs_and_lowers_to_triton_for_qwen_shapes():
-    # Qwen3-30B-A3B: 32 q heads, 4 kv heads, head dim 128; lowering needs no GPU.
+@pytest.mark.parametrize("num_q_heads", [32, 64], ids=["30b-a3b", "235b-a22b"])
+@pytest.mark.parametrize("page_dtype", [jnp.bfloat16, jnp.float8_e4m3fn], ids=["bf16", "fp8"])
+def test_jits_with_traced_num_seqs_and_lowers_to_triton_for_qwen_shapes(num_q_heads,
+                                                                        page_dtype):
+    # Qwen3-30B-A3B / 235B-A22B: 32 / 64 q heads (groups 8 / 16), 4 kv heads, head dim 128;
+    # bf16 or fp8 pages (with per-head scales). Lowering needs no GPU.
     f32 = jax.ShapeDtypeStruct
+    scales = (dict(k_scale=jnp.ones(4, jnp.float32), v_scale=jnp.ones(4, jnp.float32))
+              if page_dtype == jnp.float8_e4m3fn else {})
     for num_tokens, num_seqs_max in ((64, 64), (512, 4)):
-        args = (f32((num_tokens, 32, 128), jnp.bfloat16), f32((512, 16, 4, 128), jnp.bfloat16),
-                f32((512, 16, 4, 128), jnp.bfloat16), f32((num_seqs_max,), jnp.int32),
-                f32((num_seqs_max, 128), jnp.int32), f32((num_seqs_max + 1,), jnp.int32),
-                f32((), jnp.int32))
-        lowered = jax.jit(lambda *a: ragged_paged_attention(*a, sm_scale=0.088)).trace(
+        args = (f32((num_tokens, num_q_heads, 128), jnp.bfloat16),
+                f32((512, 16, 4, 128), page_dtype), f32((512, 16, 4, 128), page_dtype),
+                f32((num_seqs_max,), jnp.int32), f32((num_seqs_max, 128), jnp.int32),
+                f32((num_seqs_max + 1,), jnp.int32), f32((), jnp.int32))
+        lowered = jax.jit(lambda *a: ragged_paged_attention(*a, sm_scale=0.088, **scales)).trace(
             *args).lower(lowering_platforms=("cuda",))
         assert "xla.gpu.triton" in lowered.as_text()
 
