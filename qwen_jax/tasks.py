@@ -46,8 +46,10 @@ class Problem:
 
 
 def final_answer(text: str) -> str:
-    """The reply after the think block (as vLLM's qwen3 reasoning parser splits it)."""
-    return text.rsplit("</think>", 1)[-1].strip()
+    """The reply after the think block, split as the server's `--reasoning-parser qwen3`
+    splits it ("" when the reply was cut off inside the think block)."""
+    from serving.reasoning import Qwen3ReasoningParser
+    return (Qwen3ReasoningParser.extract(text)[1] or "").strip()
 
 
 def _number(rng: np.random.Generator, max_digits: int) -> int:
