@@ -115,8 +115,14 @@ def gumbel_noise(seed, output_index, vocab: int):
     row = _mix32(seed.astype(jnp.uint32) ^ _mix32(output_index.astype(jnp.uint32)
                                                   + jnp.uint32(0x9E3779B9)))  # [S]
     bits = _mix32(row[:, None] ^ _mix32(jnp.arange(vocab, dtype=jnp.uint32)[None, :]))
-    uniform = ((bits >> 8).astype(jnp.float32) + 0.5) * (1.0 / (1 << 24))  # (0, 1)
-    return -jnp.log(-jnp.log(uniform))
+    return -jnp.log(-jnp.log(uniform_from_bits(bits)))
+
+
+def uniform_from_bits(bits):
+    """u32 -> f32 strictly inside (0, 1). 23 bits: with 24, (2^24 - 0.5) / 2^24 rounds to
+    1.0 in float32, whose noise is +inf: that token would win whatever its logit (about
+    one draw in a hundred over a 151k vocabulary), and a masked one would give NaN."""
+    return ((bits >> 9).astype(jnp.float32) + 0.5) * (1.0 / (1 << 23))
 
 
 def _filtered_sample(scaled, noise, sa: SamplingArrays):

@@ -101,3 +101,12 @@ def test_logprobs_are_raw_log_softmax_with_ranks():
 def test_invalid_sampling_params_name_the_field(field, value):
     with pytest.raises(ValueError, match=field):
         SamplingParams(**{field: value})
+
+
+def test_gumbel_uniforms_stay_strictly_inside_zero_one():
+    from serving.sampler import gumbel_noise, uniform_from_bits
+    extremes = np.array([0, 1, 0xFFFFFF00, 0xFFFFFFFF], np.uint32)
+    u = np.asarray(uniform_from_bits(extremes))
+    assert (u > 0).all() and (u < 1).all()
+    noise = np.asarray(gumbel_noise(np.arange(8, dtype=np.uint32), np.zeros(8, np.int32), 4096))
+    assert np.isfinite(noise).all()
