@@ -282,7 +282,9 @@ def generate_file(input, output, *, llm=None, model: str | None = None,
     engine = llm.llm_engine
     max_in_flight = max_in_flight or 2 * engine.scheduler_config.max_num_seqs
     out, errs = JsonlAppender(output_path), JsonlAppender(errors_path)
-    run = _BatchRun(engine, input_path, out, errs, dict(default_sampling or {}), base_seed)
+    # the model's generation-config defaults, under the caller's
+    defaults = {**engine.default_sampling, **(default_sampling or {})}
+    run = _BatchRun(engine, input_path, out, errs, defaults, base_seed)
     started = time.perf_counter()
     try:
         with tqdm(total=_count_lines(input_path), desc="generate", unit="req",

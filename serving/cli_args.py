@@ -43,6 +43,11 @@ def add_engine_args(parser: argparse.ArgumentParser) -> None:
     g.add_argument("--compilation-cache-dir", default="default",
                    help="persistent XLA cache ('' disables)")
     g.add_argument("--no-precompile", action="store_false", dest="precompile")
+    g.add_argument("--generation-config", default="auto",
+                   help="sampling defaults for requests that omit them: 'auto' reads the "
+                        "model's generation_config.json (Qwen3: temperature 0.6, top_p 0.95, "
+                        "top_k 20), 'vllm' uses neutral ones (temperature 1), or a directory "
+                        "holding a generation_config.json")
     add_parallel_args(parser)
 
 
@@ -62,7 +67,8 @@ ENGINE_ARG_NAMES = (
     "max_num_batched_tokens", "max_model_len", "block_size", "num_gpu_blocks_override",
     "gpu_memory_utilization", "kv_cache_dtype", "enable_prefix_caching", "policy",
     "max_waiting", "watermark", "token_buckets", "seq_buckets", "compilation_cache_dir",
-    "precompile", "tensor_parallel_size", "expert_parallel_size", "data_parallel_size")
+    "precompile", "tensor_parallel_size", "expert_parallel_size", "data_parallel_size",
+    "generation_config")
 
 
 def engine_kwargs(args: argparse.Namespace) -> dict:

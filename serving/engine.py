@@ -17,6 +17,7 @@ from serving import distributed, kv_cache
 from serving.batch import build_model_inputs
 from serving.buckets import bucket_pairs
 from serving.engine_config import EngineConfig
+from serving.generation_config import sampling_defaults
 from serving.kv_cache_manager import KVCacheManager
 from serving.output_processor import OutputProcessor, ParentState, SeqState
 from serving.request import Request, RequestOutput, SamplingParams
@@ -48,6 +49,7 @@ class LLMEngine:
         if self.tokenizer is not None:
             eos |= set(self.tokenizer.eos_token_ids)
         self.output_processor = OutputProcessor(self.tokenizer, tuple(sorted(eos)))
+        self.default_sampling = sampling_defaults(self.model_path, config.generation_config)
         self._init_cache_and_scheduler()
         self._rng = np.random.default_rng(config.seed)
         self._seqs: dict[str, SeqState] = {}

@@ -28,6 +28,9 @@ class EngineConfig:
     compilation_cache_dir: str | None = "default"  # None or "": off
     precompile: bool = True
     show_progress: bool = True
+    # sampling defaults: "auto" reads the model's generation_config.json, "vllm" uses
+    # neutral ones, a directory names another generation_config.json (vLLM's option)
+    generation_config: str = "auto"
 
     def __post_init__(self) -> None:
         _require(self.dtype in DTYPES, f"dtype must be one of {DTYPES}, got {self.dtype!r}")

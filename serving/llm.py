@@ -70,6 +70,10 @@ class LLM:
     def get_tokenizer(self):
         return self.llm_engine.tokenizer
 
+    def get_default_sampling_params(self) -> SamplingParams:
+        """SamplingParams() with the model's generation-config defaults (vLLM's)."""
+        return SamplingParams(**self.llm_engine.default_sampling)
+
     def generate(self, prompts, sampling_params: SamplingParams | Sequence | None = None, *,
                  use_tqdm: bool = False, priority: Sequence[int] | None = None
                  ) -> list[RequestOutput]:
@@ -77,7 +81,7 @@ class LLM:
         if isinstance(prompts, (str, dict)):
             prompts = [prompts]
         params = sampling_params if isinstance(sampling_params, Sequence) else \
-            [sampling_params or SamplingParams()] * len(prompts)
+            [sampling_params or self.get_default_sampling_params()] * len(prompts)
         if len(params) != len(prompts):
             raise ValueError(f"got {len(params)} sampling_params for {len(prompts)} prompts")
         ids = []
