@@ -15,15 +15,16 @@ from qwen_jax.sharding import make_mesh, tp_size
 from qwen_jax.weights import DEFAULT_MODEL_DIR, load_model, resolve_model_path
 from serving import distributed, kv_cache
 from serving.batch import build_model_inputs
-from serving.buckets import bucket_pairs
+from serving.buckets import bucket_pairs, pick_bucket
 from serving.engine_config import EngineConfig
 from serving.generation_config import sampling_defaults
 from serving.kv_cache_manager import KVCacheManager
 from serving.output_processor import OutputProcessor, ParentState, SeqState
-from serving.request import Request, RequestOutput, SamplingParams
+from serving.request import Request, RequestOutput, RequestStatus, SamplingParams
 from serving.runner import ModelRunner, default_compilation_cache_dir, enable_compilation_cache
 from serving.sampler import NUM_BLOCKED, build_sampling_arrays, uses_penalties
 from serving.scheduler import Scheduler
+from serving.structured import GrammarCompiler, MaskBuilder
 
 logger = logging.getLogger(__name__)
 DEFAULT_MAX_MODEL_LEN = 4096
@@ -50,6 +51,9 @@ class LLMEngine:
             eos |= set(self.tokenizer.eos_token_ids)
         self.output_processor = OutputProcessor(self.tokenizer, tuple(sorted(eos)))
         self.default_sampling = sampling_defaults(self.model_path, config.generation_config)
+        self.grammars = (None if self.tokenizer is None else
+                         GrammarCompiler(self.tokenizer, self.model_config.vocab_size, sorted(eos)))
+        self._masks = MaskBuilder(self.model_config.vocab_size)
         self._init_cache_and_scheduler()
         self._rng = np.random.default_rng(config.seed)
         self._seqs: dict[str, SeqState] = {}
@@ -166,6 +170,7 @@ class LLMEngine:
                                   **({"arrival_time": arrival_time} if arrival_time else {}))
                 self.scheduler.add_request(request)
                 children.append(self._seq_state(request, request_id, i, params, ids, blocked))
+                children[-1].guide = self._guide(params, ids)
         except Exception:
             for child in children:
                 self.scheduler.abort(child.request.request_id)
@@ -174,6 +179,16 @@ class LLMEngine:
             self._seqs[child.request.request_id] = child
         self._parents[request_id] = ParentState(request_id, text, ids, children, stream,
                                                 prompt_lps)
+
+    def _guide(self, params: SamplingParams, prompt_ids: list[int]):
+        """The grammar matcher of a request with structured outputs, else None."""
+        if params.structured_outputs is None:
+            return None
+        if self.grammars is None:
+            raise ValueError("structured_outputs need a tokenizer; the model has none")
+        if distributed.is_multiprocess():
+            raise ValueError("structured_outputs are not supported with multiple processes")
+        return self.grammars.guide(params.structured_outputs, prompt_ids)
 
     def _prompt_logprobs(self, ids: list[int], num: int) -> list:
         if distributed.is_multiprocess():
@@ -226,6 +241,8 @@ class LLMEngine:
         out = self.scheduler.schedule()
         if out.is_empty:
             return []
+        masks = self._masks.submit(self._constrained_rows(out), pick_bucket(
+            out.num_seqs, self.scheduler_config.seq_bucket_sizes))  # filled meanwhile
         inputs = build_model_inputs(out, self.scheduler_config.token_bucket_sizes,
                                     self.scheduler_config.seq_bucket_sizes, self.block_size,
                                     self.pages_per_seq)
@@ -235,24 +252,42 @@ class LLMEngine:
         if distributed.is_multiprocess():
             distributed.publish_step(inputs, sampling)
         started = time.perf_counter()
-        result = self.runner.execute(inputs, sampling)
+        result = self.runner.execute(inputs, sampling, masks and masks.result())
         self.last_step = {"num_tokens": inputs.num_tokens, "num_seqs": out.num_seqs,
                           "bucket": inputs.bucket, "seconds": time.perf_counter() - started,
                           "num_preempted": len(out.preempted)}
         self.scheduler.update_after_step(out)
+        return self._process_tokens(out, result)
+
+    def _process_tokens(self, out, result) -> list[RequestOutput]:
+        """Append each sampled token, check stops and grammars, emit outputs."""
         touched: dict[str, ParentState] = {}
         for row, scheduled in enumerate(out.scheduled):
             request = scheduled.request
             seq = self._seqs.get(request.request_id)
             if not scheduled.samples or seq is None or request.is_finished:
                 continue
-            status = self.output_processor.append(seq, int(result["token"][row]), result, row,
+            token = int(result["token"][row])
+            status = self.output_processor.append(seq, token, result, row,
                                                   self.scheduler.is_length_capped)
+            if seq.guide is not None and not seq.guide.accept(token):
+                logger.error("request %s: token %d broke its grammar: %s", seq.parent_id,
+                             token, seq.guide.matcher.get_error())
+                status = RequestStatus.FINISHED_ERROR
             if status is not None:
                 self.scheduler.finish(request.request_id, status)
             touched[seq.parent_id] = self._parents[seq.parent_id]
         return [self._emit(parent) for parent in touched.values()
                 if parent.stream or parent.finished]
+
+    def _constrained_rows(self, out) -> list:
+        """(row, guide) of the rows that sample this step under a grammar."""
+        rows = []
+        for row, scheduled in enumerate(out.scheduled):
+            seq = self._seqs.get(scheduled.request.request_id)
+            if scheduled.samples and seq is not None and seq.guide is not None:
+                rows.append((row, seq.guide))
+        return rows
 
     def _sampling_entry(self, request: Request):
         seq = self._seqs[request.request_id]

@@ -30,6 +30,7 @@ class SeqState:
     logprobs: list | None = None
     cumulative_logprob: float = 0.0
     text: str = ""
+    guide: object | None = None  # serving.structured.Guide of a constrained sequence
 
     @property
     def params(self):
@@ -135,4 +136,4 @@ class OutputProcessor:
             request_id=parent.request_id, prompt=parent.prompt,
             prompt_token_ids=parent.prompt_token_ids, prompt_logprobs=parent.prompt_logprobs,
             outputs=[self.completion(c) for c in parent.children], finished=parent.finished,
-            metrics=first.metrics)
+            metrics=first.metrics, num_cached_tokens=first.num_cached_tokens)

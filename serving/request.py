@@ -6,6 +6,8 @@ import dataclasses
 import enum
 import time
 
+from serving.structured_params import StructuredOutputsParams
+
 # vLLM's _SAMPLING_EPS: temperatures below this are treated as greedy.
 SAMPLING_EPS = 1e-5
 MAX_N = 128
@@ -51,6 +53,8 @@ class SamplingParams:
     prompt_logprobs: int | None = None
     skip_special_tokens: bool = True
     include_stop_str_in_output: bool = False
+    # the grammar the output follows (a dict in vLLM's JSON shape is converted)
+    structured_outputs: StructuredOutputsParams | dict | None = None
 
     def __post_init__(self) -> None:
         if self.stop is None:
@@ -60,6 +64,8 @@ class SamplingParams:
         else:
             self.stop = list(self.stop)
         self.stop_token_ids = list(self.stop_token_ids or [])
+        if isinstance(self.structured_outputs, dict):
+            self.structured_outputs = StructuredOutputsParams.from_dict(self.structured_outputs)
         self._validate()
 
     def _validate(self) -> None:
@@ -87,6 +93,13 @@ class SamplingParams:
                f"seed must be an int or None, got {self.seed!r}")
         _check(all(isinstance(s, str) and s for s in self.stop),
                f"stop must be non-empty strings, got {self.stop!r}")
+        _check(self.structured_outputs is None
+               or isinstance(self.structured_outputs, StructuredOutputsParams),
+               f"structured_outputs must be StructuredOutputsParams, a dict or None, got "
+               f"{type(self.structured_outputs).__name__}")
+        # EOS held back by min_tokens could leave a finished grammar no token to choose
+        _check(self.structured_outputs is None or self.min_tokens == 0,
+               f"min_tokens must be 0 with structured_outputs, got {self.min_tokens}")
 
     @property
     def greedy(self) -> bool:
@@ -244,3 +257,4 @@ class RequestOutput:
     outputs: list[CompletionOutput]
     finished: bool
     metrics: RequestMetrics | None = None
+    num_cached_tokens: int | None = None  # prompt tokens found in the prefix cache

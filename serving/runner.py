@@ -18,6 +18,7 @@ from qwen_jax.attention import AttentionMetadata
 from qwen_jax.sharding import replicated
 from serving.batch import ModelInputs
 from serving.sampler import NUM_TOP_LOGPROBS, SamplingArrays, build_sampling_arrays, sample
+from serving.structured import TokenMask, inactive_mask
 
 logger = logging.getLogger(__name__)
 
@@ -45,8 +46,10 @@ class ModelRunner:
         self.kv_caches = kv_caches
         self.max_model_len = max_model_len
         self.pages_per_seq = pages_per_seq
+        self.vocab_size = model.config.vocab_size
         self._executables: dict[tuple[int, int], object] = {}  # (T, S) -> compiled step
         self._scorers: dict[int, object] = {}  # padded prompt length -> jitted scorer
+        self._inactive_masks: dict[int, TokenMask] = {}  # S -> device-resident, never sent
         # Under a mesh the host inputs go to every device (replicated) and the caches keep
         # their kv-head shards across steps.
         self._inputs_sharding = None if mesh is None else replicated(mesh)
@@ -61,7 +64,8 @@ class ModelRunner:
         power-of-two prompt length the first time a request asks for prompt_logprobs."""
         return len(self._executables) + len(self._scorers)
 
-    def _step_impl(self, state, kv_caches, inputs: dict, sampling: SamplingArrays):
+    def _step_impl(self, state, kv_caches, inputs: dict, sampling: SamplingArrays,
+                   mask: TokenMask):
         model = nnx.merge(self.graphdef, state)
         meta = AttentionMetadata(
             slot_mapping=inputs["slot_mapping"], query_start=inputs["query_start"],
@@ -69,16 +73,29 @@ class ModelRunner:
             num_seqs=inputs["num_seqs"])
         hidden, kv_caches = model.forward(inputs["token_ids"], inputs["positions"], kv_caches, meta)
         logits = model.compute_logits(hidden[inputs["logits_index"]])  # [S, V] f32
-        return kv_caches, sample(logits, sampling)
+        return kv_caches, sample(logits, sampling, mask)
 
-    def execute(self, inputs: ModelInputs, sampling: SamplingArrays) -> dict[str, np.ndarray]:
-        """Run one step; returns host arrays (token, logprob, rank, top_ids, top_logprobs)."""
-        arrays = (inputs.arrays(), sampling)
+    def execute(self, inputs: ModelInputs, sampling: SamplingArrays,
+                mask: TokenMask | None = None) -> dict[str, np.ndarray]:
+        """Run one step; returns host arrays (token, logprob, rank, top_ids, top_logprobs).
+        `mask`: the constrained rows' allowed tokens; None (no row constrained) passes the
+        bucket's inactive mask already on the device, so nothing is transferred for it."""
+        arrays = (inputs.arrays(), sampling) if mask is None else (inputs.arrays(), sampling,
+                                                                   mask)
         if self._inputs_sharding is not None:
             arrays = jax.tree.map(self._replicate, arrays)
+        if mask is None:
+            arrays = (*arrays, self._inactive_mask(inputs.padded_num_seqs))
         step = self._executables.get(inputs.bucket) or self._compile([inputs.bucket])[0]
         self.kv_caches, out = step(self.state, self.kv_caches, *arrays)
         return jax.device_get(out)
+
+    def _inactive_mask(self, num_seqs: int) -> TokenMask:
+        if num_seqs not in self._inactive_masks:
+            host = inactive_mask(num_seqs, self.vocab_size)
+            self._inactive_masks[num_seqs] = jax.tree.map(
+                self._replicate if self._inputs_sharding is not None else jax.device_put, host)
+        return self._inactive_masks[num_seqs]
 
     def _replicate(self, host: np.ndarray) -> jax.Array:
         """Host array -> global replicated array; works across processes too, where each
@@ -112,7 +129,7 @@ class ModelRunner:
     def _abstract_args(self, bucket):
         t, s = bucket
         host = (padding_inputs(t, s, self.pages_per_seq).arrays(),
-                padding_sampling(s, self.max_model_len))
+                padding_sampling(s, self.max_model_len), inactive_mask(s, self.vocab_size))
         return jax.tree.map(lambda x: jax.ShapeDtypeStruct(
             np.shape(x), np.asarray(x).dtype, sharding=self._inputs_sharding), host)
 

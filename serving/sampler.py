@@ -15,6 +15,9 @@ import jax.numpy as jnp
 import numpy as np
 
 from serving.request import SAMPLING_EPS, SamplingParams
+from serving.structured import TokenMask
+
+jax.tree_util.register_dataclass(TokenMask, data_fields=["active", "bits"], meta_fields=[])
 
 NUM_TOP_LOGPROBS = 20  # vLLM's maximum; always computed, sliced on the host
 NUM_BLOCKED = 32  # stop/eos ids suppressed until min_tokens; padded with -1
@@ -151,10 +154,23 @@ def _random_sample(logits, sa: SamplingArrays):
                         lambda: jnp.argmax(scaled + noise, axis=-1))
 
 
-def sample(logits: jax.Array, sa: SamplingArrays) -> dict:
-    """logits: f32[S, V] -> sampled ids and logprobs of the raw distribution."""
+def apply_token_mask(logits, bits):
+    """Disallowed tokens -> -inf. bits: int32[S, W], bit v % 32 of word v // 32 set when
+    token v is allowed (llguidance's layout)."""
+    num_seqs, vocab = logits.shape
+    shifts = jnp.arange(32, dtype=jnp.int32)
+    allowed = ((bits[:, :, None] >> shifts) & 1).reshape(num_seqs, -1)[:, :vocab]  # [S, V]
+    return jnp.where(allowed == 1, logits, -jnp.inf)
+
+
+def sample(logits: jax.Array, sa: SamplingArrays, mask: TokenMask | None = None) -> dict:
+    """logits: f32[S, V] -> sampled ids and logprobs of the raw distribution. `mask`: the
+    grammar's allowed tokens of constrained rows, applied only when it is active."""
     num_seqs, vocab = logits.shape
     logprobs = jax.nn.log_softmax(logits, axis=-1)  # raw, before any processing
+    if mask is not None:
+        logits = jax.lax.cond(mask.active, lambda: apply_token_mask(logits, mask.bits),
+                              lambda: logits)
     rows = jnp.broadcast_to(jnp.arange(num_seqs)[:, None], sa.blocked_ids.shape)
     blocked = jnp.where(sa.blocked_ids >= 0, sa.blocked_ids, vocab)
     logits = logits.at[rows, blocked].set(-jnp.inf, mode="drop")

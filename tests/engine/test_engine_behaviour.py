@@ -72,6 +72,28 @@ def test_no_compilation_after_warmup(llm):
     assert llm.stats()["num_compiles"] == before
 
 
+def test_structured_outputs_compile_nothing_after_warmup(tok_llm):
+    """Constrained rows next to free ones, alone, and none at all: the same executables,
+    and XLA never compiles (the mask is one more argument of every bucket's step)."""
+    from jax import monitoring
+    compiles = []
+    monitoring.register_event_duration_secs_listener(
+        lambda name, *_, **__: compiles.append(name)
+        if name == "/jax/core/compile/backend_compile_duration" else None)
+    before = tok_llm.stats()["num_compiles"]
+    regex = SamplingParams(temperature=1.0, seed=1, max_tokens=8,
+                           structured_outputs={"regex": "[a-z]{3,6}"})
+    choice = SamplingParams(temperature=0.0, max_tokens=8, n=2,
+                            structured_outputs={"choice": ["yes", "no"]})
+    free = SamplingParams(temperature=0.7, seed=2, max_tokens=6)
+    prompts = ["Hello there", "One two three four five six", "x"]
+    outs = tok_llm.generate(prompts, [regex, choice, free])
+    assert outs[1].outputs[0].text in ("yes", "no")
+    tok_llm.generate(prompts[:1], regex)
+    tok_llm.generate(prompts[:2], free)
+    assert tok_llm.stats()["num_compiles"] == before and compiles == []
+
+
 def test_seeded_sampling_is_reproducible_and_batch_independent(llm, tiny_ckpt, compile_cache):
     target = ids_prompt(make_prompts([12], seed=9)[0])
     params = SamplingParams(temperature=1.0, top_p=0.95, seed=1234, max_tokens=10,

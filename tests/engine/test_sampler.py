@@ -103,6 +103,44 @@ def test_invalid_sampling_params_name_the_field(field, value):
         SamplingParams(**{field: value})
 
 
+def _mask(allowed_rows, vocab):
+    """A TokenMask whose row i allows exactly allowed_rows[i] (None: every token)."""
+    from serving.structured import TokenMask, num_mask_words
+    bits = np.full((len(allowed_rows), num_mask_words(vocab)), -1, np.int32)
+    for i, allowed in enumerate(allowed_rows):
+        if allowed is not None:
+            row = np.zeros(num_mask_words(vocab) * 32, np.uint8)
+            row[list(allowed)] = 1
+            bits[i] = np.packbits(row, bitorder="little").view(np.int32)
+    return TokenMask(np.array(True), bits)
+
+
+@pytest.mark.parametrize("params", [SamplingParams(temperature=0.0),
+                                    SamplingParams(temperature=1.0, seed=3),
+                                    SamplingParams(temperature=1.0, top_p=0.5, top_k=3)])
+def test_token_mask_limits_constrained_rows_only(params):
+    logits = np.random.default_rng(1).normal(size=(3, 70)).astype(np.float32)
+    allowed = [{5, 33, 69}, None, {64}]  # tokens in the last, partly used mask word too
+    arrays = build_sampling_arrays([(params, 9, i, (), None, 0) for i in range(3)], 3, 16)
+    masked = jax.device_get(_sample(logits, arrays, _mask(allowed, 70)))
+    plain = jax.device_get(_sample(logits, arrays))
+    assert masked["token"][0] in allowed[0] and masked["token"][2] == 64
+    assert masked["token"][1] == plain["token"][1]  # an unconstrained row draws as before
+    np.testing.assert_allclose(masked["logprob"][1], plain["logprob"][1])  # raw logprobs
+
+
+def test_inactive_mask_changes_nothing():
+    from serving.structured import inactive_mask
+    logits = np.random.default_rng(2).normal(size=(2, 40)).astype(np.float32)
+    arrays = build_sampling_arrays([(SamplingParams(temperature=1.0), 4, 0, (), None, 0)] * 2,
+                                   2, 16)
+    off = _mask([{1}, {2}], 40)
+    off.active = np.array(False)  # the bits would force tokens 1 and 2, but are not applied
+    np.testing.assert_array_equal(jax.device_get(_sample(logits, arrays, off))["token"],
+                                  jax.device_get(_sample(logits, arrays))["token"])
+    assert inactive_mask(2, 40).bits.shape == (2, 2)
+
+
 def test_gumbel_uniforms_stay_strictly_inside_zero_one():
     from serving.sampler import gumbel_noise, uniform_from_bits
     extremes = np.array([0, 1, 0xFFFFFF00, 0xFFFFFFFF], np.uint32)

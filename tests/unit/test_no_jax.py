@@ -5,7 +5,8 @@ import sys
 
 MODULES = ["serving.request", "serving.block_pool", "serving.kv_cache_manager",
            "serving.scheduler", "serving.buckets", "serving.batch", "serving.config",
-           "serving.reasoning"]
+           "serving.reasoning", "serving.tool_parsers", "serving.chat_reply",
+           "serving.structured", "serving.structured_params", "serving.openai_structured"]
 
 
 def test_core_modules_do_not_import_jax():
@@ -18,7 +19,8 @@ def test_core_modules_do_not_import_jax():
 
 def test_pure_python_modules_do_not_import_numpy():
     pure = ["serving.request", "serving.block_pool", "serving.kv_cache_manager",
-            "serving.scheduler", "serving.buckets", "serving.config"]
+            "serving.scheduler", "serving.buckets", "serving.config", "serving.tool_parsers",
+            "serving.structured_params", "serving.chat_reply"]
     code = ("import sys\n" + "".join(f"import {m}\n" for m in pure)
             + "print('numpy' in sys.modules)")
     result = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True,

@@ -1,0 +1,127 @@
+"""Structured outputs on the host with Qwen3's real tokenizer: params checks, llguidance
+grammars and their errors, where the constraint starts with thinking, and the masks."""
+
+from __future__ import annotations
+
+from pathlib import Path
+
+import numpy as np
+import pytest
+
+from qwen_jax.tokenizer import Tokenizer
+from serving.request import SamplingParams
+from serving.structured import GrammarCompiler, MaskBuilder
+from serving.structured_params import StructuredOutputsParams
+
+QWEN3 = Path(__file__).resolve().parents[3] / "shared" / "fixtures" / "qwen3-tokenizer"
+VOCAB = 151936
+SCHEMA = {"type": "object", "properties": {"n": {"type": "integer"}}, "required": ["n"],
+          "additionalProperties": False}
+
+
+@pytest.fixture(scope="module")
+def tok():
+    if not (QWEN3 / "tokenizer.json").exists():
+        pytest.skip("Qwen3 tokenizer fixture missing")
+    return Tokenizer.from_dir(QWEN3)
+
+
+@pytest.fixture(scope="module")
+def compiler(tok):
+    return GrammarCompiler(tok, VOCAB, tok.eos_token_ids)
+
+
+def allowed(mask_row: np.ndarray) -> set[int]:
+    return set(np.flatnonzero(np.unpackbits(mask_row.view(np.uint8), bitorder="little")))
+
+
+def accepts(compiler, tok, params, text: str, prompt=()) -> bool:
+    guide = compiler.guide(params, list(prompt))
+    return all(guide.accept(t) for t in tok.encode(text, add_special_tokens=False))
+
+
+@pytest.mark.parametrize("fields", [
+    {"json": SCHEMA}, {"json": '{"type": "array"}'}, {"json_object": True},
+    {"regex": r"\d{3}-[a-z]+"}, {"choice": ["yes", "no"]},
+    {"grammar": 'start: "a" b\nb: "b"+'}, {"grammar": 'root ::= "x" | "y"'}])
+def test_valid_constraints_compile(compiler, fields):
+    assert compiler.validate(StructuredOutputsParams(**fields)) == ""
+
+
+@pytest.mark.parametrize("fields, reason", [
+    ({"json": {"type": "nope"}}, "nope"), ({"regex": "[a-"}, "regex"),
+    ({"grammar": "start: missing"}, "missing"), ({"json": "{not json"}, "not valid JSON")])
+def test_invalid_constraints_give_the_reason(compiler, fields, reason):
+    assert reason in compiler.validate(StructuredOutputsParams(**fields))
+
+
+@pytest.mark.parametrize("fields, message", [
+    ({}, "exactly one"), ({"regex": "a", "choice": ["b"]}, "exactly one"),
+    ({"choice": []}, "choice"), ({"choice": "yes"}, "choice"), ({"json": 5}, "json"),
+    ({"regex": "a", "disable_any_whitespace": "yes"}, "disable_any_whitespace")])
+def test_params_refuse_bad_shapes_by_name(fields, message):
+    with pytest.raises(ValueError, match=message):
+        StructuredOutputsParams(**fields)
+
+
+def test_from_dict_names_unknown_and_unsupported_keys():
+    with pytest.raises(ValueError, match="regx"):
+        StructuredOutputsParams.from_dict({"regx": "a"})
+    with pytest.raises(ValueError, match="structural_tag"):
+        StructuredOutputsParams.from_dict({"structural_tag": "{}"})
+    params = StructuredOutputsParams.from_dict({"regex": "a", "disable_fallback": True})
+    assert params.kind == "regex"
+    assert SamplingParams(structured_outputs={"choice": ["a"]}).structured_outputs.choice == ["a"]
+    with pytest.raises(ValueError, match="min_tokens"):
+        SamplingParams(structured_outputs={"choice": ["a"]}, min_tokens=1)
+
+
+def test_json_is_compact_with_dumps_separators_by_default(compiler, tok):
+    params = StructuredOutputsParams(json=SCHEMA)
+    assert accepts(compiler, tok, params, '{"n": 12}')
+    assert not accepts(compiler, tok, params, '{"n":12}')
+    assert not accepts(compiler, tok, params, '{ "n": 12}')
+    assert accepts(compiler, tok, StructuredOutputsParams(json=SCHEMA, disable_any_whitespace=True),
+                   '{"n":12}')
+    free = StructuredOutputsParams(json=SCHEMA, whitespace_pattern=r"[ \n]{0,4}")
+    assert accepts(compiler, tok, free, '{\n  "n" : 12 }')
+
+
+def test_constraint_starts_after_the_think_block(compiler, tok):
+    params = StructuredOutputsParams(choice=["yes", "no"], reasoning=True)
+    thinking = tok.apply_chat_template([{"role": "user", "content": "q"}], tokenize=True)
+    assert compiler.thinking_first(params, thinking)
+    assert accepts(compiler, tok, params, "<think>\nmaybe...\n</think>\n\nyes", thinking)
+    assert not accepts(compiler, tok, params, "<think>\nok\n</think>\n\nmaybe", thinking)
+    assert accepts(compiler, tok, params, "no", thinking)  # a reply without a think block
+
+
+def test_prompt_that_closed_thinking_constrains_from_the_first_token(compiler, tok):
+    params = StructuredOutputsParams(choice=["yes"], reasoning=True)
+    history = [{"role": "user", "content": "a"},
+               {"role": "assistant", "content": "<think>\nx\n</think>\n\nb"},
+               {"role": "user", "content": "c"}]
+    closed = tok.apply_chat_template(history, tokenize=True, enable_thinking=False)
+    assert not compiler.thinking_first(params, closed)
+    assert not accepts(compiler, tok, params, "<think>\n</think>\n\nyes", closed)
+    # an earlier turn's </think> does not count: the new turn still thinks first
+    assert compiler.thinking_first(params, tok.apply_chat_template(history, tokenize=True))
+    assert not compiler.thinking_first(StructuredOutputsParams(choice=["yes"]), [])
+
+
+def test_mask_rows_allow_what_the_grammar_allows(compiler, tok):
+    guide = compiler.guide(StructuredOutputsParams(choice=["yes", "no"]), [])
+    mask = MaskBuilder(VOCAB).submit([(1, guide)], 4).result()
+    assert mask.active and mask.bits.shape == (4, VOCAB // 32)
+    first = allowed(mask.bits[1])
+    assert tok.encode("yes")[0] in first and tok.encode("no")[0] in first
+    assert tok.encode("maybe")[0] not in first and len(first) < 10
+    assert all((mask.bits[r] == -1).all() for r in (0, 2, 3))  # other rows: everything
+    assert MaskBuilder(VOCAB).submit([], 4) is None  # no constrained row: no mask at all
+
+
+def test_finished_grammar_allows_only_eos(compiler, tok):
+    guide = compiler.guide(StructuredOutputsParams(choice=["yes"]), [])
+    assert all(guide.accept(t) for t in tok.encode("yes"))
+    mask = MaskBuilder(VOCAB).submit([(0, guide)], 1).result()
+    assert allowed(mask.bits[0]) <= set(tok.eos_token_ids) and allowed(mask.bits[0])
