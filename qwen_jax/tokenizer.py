@@ -187,6 +187,13 @@ class Tokenizer:
                    generation_eos_ids=_generation_eos_ids(path),
                    chat_template=_read_chat_template(path, config))
 
+    def with_chat_template(self, template: str) -> Tokenizer:
+        """A copy rendering chats with `template` (compiled now, so errors show at once)."""
+        import copy
+        other = copy.copy(self)
+        other.chat_template, other._compiled_template = template, compile_chat_template(template)
+        return other
+
     def _id_of(self, token: str | None) -> int | None:
         return None if token is None else self.backend.token_to_id(token)
 

@@ -153,8 +153,37 @@ def _add_serve(subparsers) -> None:
                    help="split a thinking model's chat replies: <think>...</think> goes to "
                         "message.reasoning_content (delta.reasoning_content when streamed), "
                         "the rest to content (default: none, all in content)")
+    _add_chat_args(p)
     add_engine_args(p)
     p.set_defaults(func=_run_serve)
+
+
+def _json_object(text: str) -> dict:
+    import json
+    try:
+        value = json.loads(text)
+    except ValueError as exc:
+        raise argparse.ArgumentTypeError(f"not valid JSON: {exc}") from None
+    if not isinstance(value, dict):
+        raise argparse.ArgumentTypeError(f"expected a JSON object, got {text!r}")
+    return value
+
+
+def _add_chat_args(p) -> None:
+    from serving.tool_parsers import TOOL_PARSERS
+    p.add_argument("--tool-call-parser", default=None, choices=sorted(TOOL_PARSERS),
+                   help="parse tool calls out of chat replies into message.tool_calls "
+                        "(delta.tool_calls when streamed); hermes is Qwen3's format")
+    p.add_argument("--enable-auto-tool-choice", action="store_true",
+                   help="allow tool_choice \"auto\" (the default when a request has tools): "
+                        "the model decides whether to call; needs --tool-call-parser")
+    p.add_argument("--chat-template", default=None,
+                   help="a Jinja chat template file (or the template itself) used instead of "
+                        "the checkpoint's")
+    p.add_argument("--default-chat-template-kwargs", type=_json_object, default={},
+                   metavar="JSON", help="chat template variables for every request, e.g. "
+                                        "'{\"enable_thinking\": false}'; a request's own "
+                                        "chat_template_kwargs override them")
 
 
 def _run_serve(args) -> int:

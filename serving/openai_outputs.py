@@ -10,8 +10,8 @@ import time
 from collections.abc import AsyncIterator
 
 from serving import openai_protocol as proto
+from serving.chat_reply import ReplyFormat, ReplyStream
 from serving.metrics import Metrics
-from serving.reasoning import Qwen3ReasoningParser
 from serving.request import CompletionOutput, RequestOutput, SamplingParams
 
 LOGPROB_FLOOR = -9999.0  # JSON has no -inf; vLLM clamps the same way
@@ -108,7 +108,7 @@ class Job:
     prompts: list[list[int]]
     params: list[SamplingParams]
     metrics: Metrics
-    reasoning_parser: type[Qwen3ReasoningParser] | None = None  # chat only
+    reply: ReplyFormat = ReplyFormat()  # chat only: reasoning and tool-call parsing
 
     def __post_init__(self) -> None:
         self.created = int(time.time())
@@ -116,7 +116,7 @@ class Job:
         self.latest: list[RequestOutput | None] = [None] * len(self.prompts)
         self.trackers = [self.metrics.tracker() for _ in self.prompts]
         self.deltas: dict[int, proto.DeltaTracker] = {}
-        self.reasoning: dict[int, Qwen3ReasoningParser] = {}
+        self.streams: dict[int, ReplyStream] = {}
 
     @property
     def chat(self) -> bool:
@@ -133,8 +133,10 @@ class Job:
                 yield p * self.n + c.index, c
 
     def usage(self) -> dict:
-        return proto.usage(sum(map(len, self.prompts)),
-                           sum(len(c.token_ids) for _, c in self._completions()))
+        usage = proto.usage(sum(map(len, self.prompts)),
+                            sum(len(c.token_ids) for _, c in self._completions()))
+        cached = sum(o.num_cached_tokens or 0 for o in self.latest if o is not None)
+        return {**usage, "prompt_tokens_details": {"cached_tokens": cached}}
 
     def response(self) -> dict:
         choices = [self._choice(i, c, c.text, 0, len(c.token_ids), c.finish_reason)
@@ -164,19 +166,13 @@ class Job:
         if delta is not None:
             choice["delta"] = delta
         elif self.chat:
-            choice["message"] = self._message(text)
+            choice["message"], finish_reason = self.reply.message(text, finish_reason)
         else:
             choice["text"] = text
         choice["logprobs"] = self._logprobs(c, start, stop, text_offset)
         choice["finish_reason"] = finish_reason
         choice["stop_reason"] = c.stop_reason if finish_reason else None
         return choice
-
-    def _message(self, text: str) -> dict:
-        if self.reasoning_parser is None:
-            return {"role": "assistant", "content": text}
-        reasoning, content = self.reasoning_parser.extract(text)
-        return {"role": "assistant", "content": content, "reasoning_content": reasoning}
 
     # ---- streaming ---------------------------------------------------------------------
     def _chunk(self, choices: list[dict]) -> dict:
@@ -205,21 +201,15 @@ class Job:
             text, start, stop = advanced
             finish = c.finish_reason if tracker.done else None
             delta = self._delta(index, text, first, tracker.done) if self.chat else None
+            if self.chat:
+                finish = self.streams[index].finish_reason(finish)
             out.append(self._chunk([self._choice(index, c, text, start, stop, finish,
                                                  delta=delta, text_offset=num_chars)]))
         return out
 
     def _delta(self, index: int, text: str, first: bool, finished: bool) -> dict:
-        delta = {"role": "assistant"} if first else {}
-        if self.reasoning_parser is None:
-            return {**delta, "content": text}
-        parser = self.reasoning.setdefault(index, self.reasoning_parser())
-        reasoning, content = parser.feed(text, finished)
-        if reasoning:
-            delta["reasoning_content"] = reasoning
-        if content or not reasoning:  # a chunk that holds text back still says content ""
-            delta["content"] = content
-        return delta
+        stream = self.streams.setdefault(index, self.reply.stream())
+        return {**({"role": "assistant"} if first else {}), **stream.delta(text, finished)}
 
     def usage_chunk(self) -> dict:
         return {**self._chunk([]), "usage": self.usage()}

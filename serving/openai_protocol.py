@@ -12,7 +12,11 @@ import json
 import math
 from typing import Any
 
+from serving.openai_structured import (STRUCTURED_FIELDS, TOOL_FIELDS, UNSUPPORTED_FIELDS,
+                                       ToolRequest, read_structured, read_tools,
+                                       reject_unsupported)
 from serving.request import MAX_LOGPROBS, MAX_N, CompletionOutput, SamplingParams
+from serving.structured_params import StructuredOutputsParams
 
 INT32_MAX = 2**31 - 1
 INT64_MIN, INT64_MAX = -2**63, 2**63 - 1
@@ -30,13 +34,17 @@ _SAMPLING_FIELDS = {
     "temperature", "top_p", "top_k", "min_p", "presence_penalty", "frequency_penalty",
     "repetition_penalty", "seed", "stop", "stop_token_ids", "ignore_eos", "min_tokens",
     "skip_special_tokens", "include_stop_str_in_output", "n", "max_tokens"}
-_COMMON_FIELDS = _SAMPLING_FIELDS | {
+_COMMON_FIELDS = _SAMPLING_FIELDS | STRUCTURED_FIELDS | UNSUPPORTED_FIELDS | {
     "model", "stream", "stream_options", "priority", "user", "logprobs", "best_of",
     "logit_bias", "metadata", "store", "service_tier"}
 COMPLETION_FIELDS = _COMMON_FIELDS | {"prompt", "echo", "suffix"}
-CHAT_FIELDS = _COMMON_FIELDS | {
+CHAT_FIELDS = _COMMON_FIELDS | TOOL_FIELDS | {
     "messages", "top_logprobs", "max_completion_tokens", "chat_template_kwargs",
-    "add_generation_prompt", "tools", "tool_choice", "parallel_tool_calls", "response_format"}
+    "add_generation_prompt", "response_format", "include_reasoning"}
+# Sampling fields a checkpoint's generation_config.json may default (vLLM's
+# `--generation-config auto`), with the neutral defaults used otherwise.
+NEUTRAL_DEFAULTS = {"temperature": 1.0, "top_p": 1.0, "top_k": -1, "min_p": 0.0,
+                    "repetition_penalty": 1.0}
 
 
 class APIError(Exception):
@@ -186,21 +194,28 @@ class ParsedRequest:
     prompts: list = dataclasses.field(default_factory=list)  # completions: str | list[int]
     messages: list | None = None
     template_kwargs: dict = dataclasses.field(default_factory=dict)
-    tools: list | None = None
+    tools: list | None = None  # passed to the chat template
+    tool_request: ToolRequest | None = None  # chat: tools, tool_choice, parallel_tool_calls
+    structured: StructuredOutputsParams | None = None
+    structured_field: str = ""  # the request field the constraint came from
+    include_reasoning: bool = True
     unknown_fields: list[str] = dataclasses.field(default_factory=list)
 
 
-def _read_sampling(body: dict, vocab_size: int) -> dict:
-    top_k = read_int(body, "top_k", -1, -1, INT32_MAX)
+def _read_sampling(body: dict, vocab_size: int, defaults: dict) -> dict:
+    """`defaults`: NEUTRAL_DEFAULTS overridden by the model's generation config."""
+    top_k = read_int(body, "top_k", defaults["top_k"], -1, INT32_MAX)
     return dict(
         n=read_int(body, "n", 1, 1, MAX_N),
-        temperature=read_float(body, "temperature", 1.0, 0.0, MAX_TEMPERATURE),
-        top_p=read_float(body, "top_p", 1.0, 0.0, 1.0, low_open=True),
+        temperature=read_float(body, "temperature", defaults["temperature"], 0.0,
+                               MAX_TEMPERATURE),
+        top_p=read_float(body, "top_p", defaults["top_p"], 0.0, 1.0, low_open=True),
         top_k=0 if top_k >= vocab_size else top_k,  # a top_k past the vocab keeps everything
-        min_p=read_float(body, "min_p", 0.0, 0.0, 1.0),
+        min_p=read_float(body, "min_p", defaults["min_p"], 0.0, 1.0),
         presence_penalty=read_float(body, "presence_penalty", 0.0, -2.0, 2.0),
         frequency_penalty=read_float(body, "frequency_penalty", 0.0, -2.0, 2.0),
-        repetition_penalty=read_float(body, "repetition_penalty", 1.0, 0.0,
+        repetition_penalty=read_float(body, "repetition_penalty",
+                                      defaults["repetition_penalty"], 0.0,
                                       MAX_REPETITION_PENALTY, low_open=True),
         seed=read_int(body, "seed", None, INT64_MIN, INT64_MAX),
         stop=_read_stop(body),
@@ -225,9 +240,13 @@ def _reject_unsupported(body: dict, n: int) -> None:
                              f"got {best_of}")
 
 
-def _read_common(body: dict, known: set[str], vocab_size: int) -> ParsedRequest:
-    sampling = _read_sampling(body, vocab_size)
+def _read_common(body: dict, known: set[str], vocab_size: int,
+                 defaults: dict | None) -> ParsedRequest:
+    chat = "messages" in known
+    reject_unsupported(body, chat)
+    sampling = _read_sampling(body, vocab_size, {**NEUTRAL_DEFAULTS, **(defaults or {})})
     _reject_unsupported(body, sampling["n"])
+    structured, field = read_structured(body, chat)
     stream = read_bool(body, "stream", False)
     options = read_dict(body, "stream_options")
     if body.get("stream_options") is not None and not stream:
@@ -237,11 +256,13 @@ def _read_common(body: dict, known: set[str], vocab_size: int) -> ParsedRequest:
         include_usage=read_bool(options, "include_usage", False),
         priority=read_int(body, "priority", 0, -INT32_MAX - 1, INT32_MAX),
         sampling=sampling, max_tokens=None, default_max_tokens=None, logprobs=None,
+        structured=structured, structured_field=field,
         unknown_fields=sorted(k for k in body if k not in known))
 
 
-def parse_completion(body: dict, vocab_size: int) -> ParsedRequest:
-    req = _read_common(body, COMPLETION_FIELDS, vocab_size)
+def parse_completion(body: dict, vocab_size: int, defaults: dict | None = None) -> ParsedRequest:
+    """`defaults`: sampling defaults from the model's generation config."""
+    req = _read_common(body, COMPLETION_FIELDS, vocab_size, defaults)
     read_str(body, "user", None)
     req.max_tokens = read_int(body, "max_tokens", None, 1, INT32_MAX)
     req.default_max_tokens = 16  # OpenAI's completions default
@@ -276,8 +297,8 @@ def _read_prompts(prompt: Any, vocab_size: int) -> list:
     return batch
 
 
-def parse_chat(body: dict, vocab_size: int) -> ParsedRequest:
-    req = _read_common(body, CHAT_FIELDS, vocab_size)
+def parse_chat(body: dict, vocab_size: int, defaults: dict | None = None) -> ParsedRequest:
+    req = _read_common(body, CHAT_FIELDS, vocab_size, defaults)
     read_str(body, "user", None)
     max_tokens = read_int(body, "max_completion_tokens", None, 1, INT32_MAX)
     req.max_tokens = read_int(body, "max_tokens", max_tokens, 1, INT32_MAX)
@@ -295,14 +316,12 @@ def parse_chat(body: dict, vocab_size: int) -> ParsedRequest:
         if reserved in req.template_kwargs:
             raise bad("chat_template_kwargs", f"chat_template_kwargs may not set {reserved!r}")
     req.template_kwargs["add_generation_prompt"] = read_bool(body, "add_generation_prompt", True)
-    tools = body.get("tools")
-    if tools is not None and not (isinstance(tools, list)
-                                  and all(isinstance(t, dict) for t in tools)):
-        raise bad("tools", f"tools must be a list of objects, got {describe(tools)}")
-    req.tools = tools or None
-    response_format = read_dict(body, "response_format")
-    if response_format and response_format.get("type") != "text":
-        raise bad("response_format", "only response_format {\"type\": \"text\"} is supported")
+    req.tool_request = read_tools(body)
+    req.tools = req.tool_request.tools or None
+    if req.tool_request.constrained and req.structured is not None:
+        raise bad("tool_choice", f"tool_choice {req.tool_request.choice!r} constrains the reply "
+                                 f"itself; it cannot be combined with {req.structured_field}")
+    req.include_reasoning = read_bool(body, "include_reasoning", True)
     return req
 
 
@@ -320,7 +339,8 @@ def sampling_params(req: ParsedRequest, num_prompt_tokens: int, max_model_len: i
                                 f"{max_model_len}; at most {room}")
     max_tokens = req.max_tokens or min(req.default_max_tokens or room, room)
     try:
-        return SamplingParams(**req.sampling, max_tokens=max_tokens, logprobs=req.logprobs)
+        return SamplingParams(**req.sampling, max_tokens=max_tokens, logprobs=req.logprobs,
+                              structured_outputs=req.structured)
     except ValueError as exc:
         raise bad(str(exc).split()[0], str(exc)) from None
 

@@ -69,7 +69,11 @@ def run(args, engine_kwargs: dict) -> int:
                           served_model_name=args.served_model_name,
                           max_request_body_mb=args.max_request_body_mb,
                           shutdown_timeout=args.shutdown_timeout, log_interval=args.log_interval,
-                          reasoning_parser=args.reasoning_parser)
+                          reasoning_parser=args.reasoning_parser,
+                          tool_call_parser=args.tool_call_parser,
+                          enable_auto_tool_choice=args.enable_auto_tool_choice,
+                          chat_template=args.chat_template,
+                          default_chat_template_kwargs=args.default_chat_template_kwargs)
     started = time.perf_counter()
     llm = AsyncLLM(args.model, **engine_kwargs)
     print(startup_report(llm, time.perf_counter() - started), flush=True)

@@ -20,9 +20,12 @@ from aiohttp import web
 from serving import openai_protocol as proto
 from serving.metrics import CONTENT_TYPE, Metrics
 from serving.openai_protocol import APIError
+from serving.chat_reply import ReplyFormat
+from serving.openai_structured import reply_format
 from serving.openai_outputs import Job, merge, sse
 from serving.reasoning import reasoning_parser_class
 from serving.scheduler import QueueFullError
+from serving.tool_parsers import CALL_END, CALL_START, tool_parser_class
 
 logger = logging.getLogger("qwen_jax.server")
 STATE = web.AppKey("state", object)
@@ -40,6 +43,10 @@ class ServerConfig:
     log_interval: float = 10.0  # seconds between throughput lines; 0 disables
     retry_after: int = 1  # seconds, sent with 503 when the waiting queue is full
     reasoning_parser: str | None = None  # e.g. "qwen3": chat replies split out reasoning_content
+    tool_call_parser: str | None = None  # e.g. "hermes": tool calls parsed out of chat replies
+    enable_auto_tool_choice: bool = False  # tool_choice "auto" (needs tool_call_parser)
+    chat_template: str | None = None  # a file (or the template itself) replacing the model's
+    default_chat_template_kwargs: dict = dataclasses.field(default_factory=dict)
 
     def __post_init__(self) -> None:
         if not 0 <= self.port <= 65535:
@@ -50,6 +57,13 @@ class ServerConfig:
             raise ValueError(f"shutdown_timeout must be >= 0, got {self.shutdown_timeout}")
         if self.reasoning_parser is not None:
             reasoning_parser_class(self.reasoning_parser)
+        if self.tool_call_parser is not None:
+            tool_parser_class(self.tool_call_parser)
+        if self.enable_auto_tool_choice and self.tool_call_parser is None:
+            raise ValueError("enable_auto_tool_choice needs a tool_call_parser")
+        if not isinstance(self.default_chat_template_kwargs, dict):
+            raise ValueError(f"default_chat_template_kwargs must be a JSON object, got "
+                             f"{self.default_chat_template_kwargs!r:.40}")
 
 
 def json_error(status: int, message: str, param: str | None = None,
@@ -66,11 +80,14 @@ class OpenAIServer:
                            or Path(engine.model_path).name)
         self.max_model_len = engine.max_model_len
         self.vocab_size = engine.model_config.vocab_size
-        self.tokenizer = llm.tokenizer
+        self.tokenizer = _with_template(llm.tokenizer, config.chat_template)
+        self.default_sampling = engine.default_sampling
         self.max_body = int(config.max_request_body_mb * 2**20)
         self.metrics = Metrics(llm, self.model_name)
         self.reasoning_parser = (reasoning_parser_class(config.reasoning_parser)
                                  if config.reasoning_parser else None)
+        self.tool_parser = (tool_parser_class(config.tool_call_parser)
+                            if config.tool_call_parser else None)
         self.draining = False
         self.created = int(time.time())
 
@@ -148,6 +165,8 @@ class OpenAIServer:
     async def _render_chat(self, messages, tools, kwargs) -> list[int]:
         tokenizer = self._need_tokenizer()
 
+        kwargs = {**self.config.default_chat_template_kwargs, **kwargs}
+
         def render():
             return tokenizer.apply_chat_template(messages, tokenize=True, tools=tools, **kwargs)
         try:
@@ -165,21 +184,49 @@ class OpenAIServer:
 
     # ---- generation routes -------------------------------------------------------------
     async def completions(self, request: web.Request) -> web.StreamResponse:
-        req = proto.parse_completion(await self._json(request), self.vocab_size)
+        req = proto.parse_completion(await self._json(request), self.vocab_size,
+                                     self.default_sampling)
         self._check_model(req.model)
         self._note_unknown(request, req)
+        await self._check_constraint(req)
         prompts = [p if isinstance(p, list) else await self._encode(p) for p in req.prompts]
         return await self._generate(request, req, prompts, "cmpl", "prompt")
 
     async def chat_completions(self, request: web.Request) -> web.StreamResponse:
-        req = proto.parse_chat(await self._json(request), self.vocab_size)
+        req = proto.parse_chat(await self._json(request), self.vocab_size, self.default_sampling)
         self._check_model(req.model)
         self._note_unknown(request, req)
+        reply = self._reply_format(req)
+        await self._check_constraint(req)
         ids = await self._render_chat(req.messages, req.tools, req.template_kwargs)
-        return await self._generate(request, req, [ids], "chatcmpl", "messages")
+        return await self._generate(request, req, [ids], "chatcmpl", "messages", reply)
+
+    # ---- tools and structured outputs ------------------------------------------------
+    def _reply_format(self, req: proto.ParsedRequest) -> ReplyFormat:
+        tag_ids = {tag: self._need_tokenizer().backend.token_to_id(tag)
+                   for tag in (CALL_START, CALL_END)} if req.tool_request.constrained else {}
+        auto = self.tool_parser if self.config.enable_auto_tool_choice else None
+        return reply_format(req, self.reasoning_parser, auto, tag_ids)
+
+    async def _check_constraint(self, req: proto.ParsedRequest) -> None:
+        """Compile the request's grammar once up front: a bad schema, regex or grammar is a
+        400 with llguidance's reason before anything runs."""
+        if req.structured is None:
+            return
+        grammars = self.llm.engine.grammars
+        if grammars is None:
+            raise APIError(400, "structured outputs need the model's tokenizer files",
+                           param=req.structured_field)
+        if self.reasoning_parser is not None and req.messages is not None:
+            req.structured = dataclasses.replace(req.structured, reasoning=True)
+        loop = asyncio.get_running_loop()
+        error = await loop.run_in_executor(None, grammars.validate, req.structured)
+        if error:
+            raise APIError(400, f"{req.structured_field}: {error}", param=req.structured_field)
 
     async def _generate(self, request, req: proto.ParsedRequest, prompts: list[list[int]],
-                        kind: str, prompt_param: str) -> web.StreamResponse:
+                        kind: str, prompt_param: str,
+                        reply: ReplyFormat | None = None) -> web.StreamResponse:
         for i, ids in enumerate(prompts):
             if not ids:
                 raise APIError(400, f"{prompt_param} is empty: it must contain at least one "
@@ -188,7 +235,7 @@ class OpenAIServer:
                   for ids in prompts]
         job = Job(kind=kind, request_id=f"{kind}-{uuid.uuid4().hex}", model=self.model_name,
                   req=req, prompts=prompts, params=params, metrics=self.metrics,
-                  reasoning_parser=self.reasoning_parser if kind == "chatcmpl" else None)
+                  reply=reply or ReplyFormat())
         request[LOG].update(id=job.request_id, prompt_tokens=sum(map(len, prompts)))
         gens = [self.llm.generate({"prompt_token_ids": ids}, p,
                                   request_id=f"{job.request_id}-{i}", priority=req.priority)
@@ -308,6 +355,17 @@ class OpenAIServer:
                             s["num_running"], s["num_waiting"], 100 * s["kv_cache_usage"],
                             100 * s["prefix_cache_hit_rate"])
             last = now
+
+
+def _with_template(tokenizer, template: str | None):
+    """The tokenizer, with `--chat-template` (a file, or the template text) when given."""
+    if template is None or tokenizer is None:
+        return tokenizer
+    path = Path(template)
+    text = path.read_text(encoding="utf-8") if path.is_file() else template
+    if "{{" not in text and "{%" not in text:
+        raise ValueError(f"chat_template {template!r} is neither a file nor a Jinja template")
+    return tokenizer.with_chat_template(text)
 
 
 def build_app(llm, config: ServerConfig | None = None) -> web.Application:

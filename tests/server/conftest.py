@@ -57,6 +57,21 @@ def shared_llm(tiny_model_dir, compile_cache):
     llm.shutdown()
 
 
+@pytest.fixture(scope="session")
+def long_llm(tmp_path_factory, compile_cache):
+    """A random model like `shared_llm`'s with room for a tools header (about 220 prompt
+    tokens) and the calls after it."""
+    from serving.async_llm import AsyncLLM
+    path = write_tiny_checkpoint(tmp_path_factory.mktemp("server-ckpt") / "long")
+    config = json.loads((path / "config.json").read_text())
+    (path / "config.json").write_text(json.dumps({**config, "max_position_embeddings": 1024}))
+    llm = AsyncLLM(str(path), compilation_cache_dir=compile_cache,
+                   **{**ENGINE_ARGS, "max_model_len": 512, "max_num_batched_tokens": 256,
+                      "token_buckets": [8, 256]})
+    yield llm
+    llm.shutdown()
+
+
 class ServerThread:
     """The app served on 127.0.0.1:<free port> by an event loop in a background thread."""
 

@@ -14,6 +14,8 @@ from tests.server.conftest import ServerThread, wait_idle
 C, CHAT = "/v1/completions", "/v1/chat/completions"
 OK = {"prompt": "hi", "max_tokens": 2, "temperature": 0}
 USER = [{"role": "user", "content": "hi"}]
+TOOL = {"type": "function", "function": {"name": "add", "parameters": {
+    "type": "object", "properties": {"a": {"type": "integer"}}, "required": ["a"]}}}
 
 
 def raw(text: str | bytes) -> bytes:
@@ -108,8 +110,61 @@ CASES = [  # (id, path, body: dict or raw bytes, status, param or None)
     ("top-logprobs-too-many", CHAT, {"messages": USER, "logprobs": True, "top_logprobs": 50},
      400, "top_logprobs"),
     ("chat-logprobs-string", CHAT, {"messages": USER, "logprobs": "yes"}, 400, "logprobs"),
-    ("response-format-json", CHAT, {"messages": USER, "response_format": {"type": "json_object"}},
-     400, "response_format"),
+    ("response-format-unknown-type", CHAT,
+     {"messages": USER, "response_format": {"type": "structural_tag"}}, 400, "response_format"),
+    ("response-format-schema-missing", CHAT,
+     {"messages": USER, "response_format": {"type": "json_schema", "json_schema": {}}}, 400,
+     "response_format"),
+    ("json-schema-invalid", CHAT, {"messages": USER, "response_format": {
+        "type": "json_schema", "json_schema": {"name": "x", "schema": {"type": "nope"}}}}, 400,
+     "response_format"),
+    ("structured-regex-invalid", C, {"prompt": "hi", "structured_outputs": {"regex": "[a-"}},
+     400, "structured_outputs"),
+    ("structured-grammar-invalid", C,
+     {"prompt": "hi", "structured_outputs": {"grammar": "start: undefined_rule"}}, 400,
+     "structured_outputs"),
+    ("structured-two-kinds", C,
+     {"prompt": "hi", "structured_outputs": {"regex": "a", "choice": ["b"]}}, 400,
+     "structured_outputs"),
+    ("structured-unknown-key", C, {"prompt": "hi", "structured_outputs": {"jsn": {}}}, 400,
+     "structured_outputs"),
+    ("structured-tag-unsupported", C,
+     {"prompt": "hi", "structured_outputs": {"structural_tag": "{}"}}, 400,
+     "structured_outputs"),
+    ("guided-choice-not-a-list", C, {"prompt": "hi", "guided_choice": "yes"}, 400,
+     "guided_choice"),
+    ("guided-and-structured", C, {"prompt": "hi", "guided_regex": "a",
+                                      "structured_outputs": {"regex": "b"}}, 400,
+     "guided_regex"),
+    ("guided-backend-unknown", C,
+     {"prompt": "hi", "guided_regex": "a", "guided_decoding_backend": "xgrammar"}, 400,
+     "guided_decoding_backend"),
+    ("structured-with-min-tokens", C,
+     {"prompt": "hi", "guided_regex": "a+", "min_tokens": 2}, 400, "min_tokens"),
+    ("vllm-beam-search", C, {"prompt": "hi", "use_beam_search": True}, 400,
+     "use_beam_search"),
+    ("vllm-bad-words", CHAT, {"messages": USER, "bad_words": ["x"]}, 400, "bad_words"),
+    ("vllm-request-chat-template", CHAT, {"messages": USER, "chat_template": "{{ 1 }}"}, 400,
+     "chat_template"),
+    ("openai-functions", CHAT, {"messages": USER, "functions": [{"name": "f"}]}, 400,
+     "functions"),
+    ("tools-not-functions", CHAT, {"messages": USER, "tools": [{"type": "function"}]}, 400,
+     "tools"),
+    ("tool-choice-unknown-function", CHAT, {"messages": USER, "tools": [TOOL], "tool_choice": {
+        "type": "function", "function": {"name": "nope"}}}, 400, "tool_choice"),
+    ("tool-choice-required-without-tools", CHAT, {"messages": USER, "tool_choice": "required"},
+     400, "tool_choice"),
+    ("tool-choice-auto-not-enabled", CHAT, {"messages": USER, "tools": [TOOL]}, 400,
+     "tool_choice"),
+    ("tool-choice-and-response-format", CHAT, {
+        "messages": USER, "tools": [TOOL], "tool_choice": "required",
+        "response_format": {"type": "json_object"}}, 400, "tool_choice"),
+    ("tool-parameters-invalid", CHAT, {"messages": USER, "tool_choice": "required", "tools": [
+        {"type": "function", "function": {"name": "f", "parameters": {"type": "nope"}}}]},
+     400, "tools"),
+    ("parallel-tool-calls-string", CHAT, {"messages": USER, "tools": [TOOL],
+                                          "tool_choice": "none", "parallel_tool_calls": "no"},
+     400, "parallel_tool_calls"),
     ("max-completion-tokens-negative", CHAT, {"messages": USER, "max_completion_tokens": -3},
      400, "max_completion_tokens"),
     ("tokenize-empty", "/tokenize", {}, 400, "prompt"),

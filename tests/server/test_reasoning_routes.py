@@ -47,7 +47,7 @@ async def test_reply_splits_into_reasoning_and_content(parsed):
     status, body = await post(parsed, "/v1/chat/completions", SUM)
     assert status == 200
     assert body["choices"][0]["message"] == {"role": "assistant", "reasoning_content": "2 3 4",
-                                             "content": "432"}
+                                             "reasoning": "2 3 4", "content": "432"}
     assert body["choices"][0]["finish_reason"] == "stop"
 
 

@@ -56,7 +56,8 @@ async def test_completion_usage_matches_the_tokenizer(server):
     assert status == 200 and body["object"] == "text_completion"
     num_prompt = len(server.llm.tokenizer.encode(prompt))
     assert body["usage"] == {"prompt_tokens": num_prompt, "completion_tokens": 7,
-                             "total_tokens": num_prompt + 7}
+                             "total_tokens": num_prompt + 7,
+                             "prompt_tokens_details": {"cached_tokens": 0}}
     choice = body["choices"][0]
     assert choice["finish_reason"] == "length" and choice["index"] == 0
     assert isinstance(choice["text"], str) and choice["text"]
