@@ -94,25 +94,30 @@ def test_bad_lines_are_reported_and_good_ones_complete(tmp_path, tokenizer_ckpt,
         {"id": "ok-chat", "messages": [{"role": "user", "content": "Hi"}], "max_tokens": 2},
         "",
         {"id": 7, "prompt": "numeric id", "max_tokens": 1, "metadata": {"k": 1}},
+        {"id": "ok-choice", "prompt": "Pick one", "temperature": 1.0,
+         "structured_outputs": {"choice": ["red", "blue"]}},
+        {"id": "bad-regex", "prompt": "x", "structured_outputs": {"regex": "[a-"}},
     ]
     inp, out, errors = tmp_path / "in.jsonl", tmp_path / "out.jsonl", tmp_path / "err.jsonl"
     _write_jsonl(inp, rows)
     summary = _generate(ckpt, compile_cache, inp, out, "--errors", str(errors))
     results = {r["id"]: r for r in _lines(out)}
-    assert set(results) == {"ok-text", "ok-ids", "ok-chat", 7}
+    assert set(results) == {"ok-text", "ok-ids", "ok-chat", 7, "ok-choice"}
+    assert results["ok-choice"]["text"] in ("red", "blue")
     assert len(results["ok-ids"]["token_ids"]) == 2 and results[7]["metadata"] == {"k": 1}
     reported = {e["line"]: e for e in _lines(errors)}
-    assert sorted(reported) == [2, 4, 5, 6, 7, 8, 9]
+    assert sorted(reported) == [2, 4, 5, 6, 7, 8, 9, 14]
     assert "invalid JSON" in reported[2]["error"]
     assert "'id'" in reported[4]["error"]
     assert "duplicate id" in reported[5]["error"]
     assert "exactly one of" in reported[6]["error"] and "exactly one of" in reported[7]["error"]
     assert "temperature" in reported[8]["error"] and reported[8]["id"] == "bad-temp"
     assert "max_model_len" in reported[9]["error"]
-    assert summary["completed"] == 4 and summary["errors"] == 7
+    assert "regex" in reported[14]["error"] and reported[14]["id"] == "bad-regex"
+    assert summary["completed"] == 5 and summary["errors"] == 8
     again = _generate(ckpt, compile_cache, inp, out, "--errors", str(errors))
-    assert again["completed"] == 0 and again["skipped"] == 4 and len(_lines(out)) == 4
-    assert len(_lines(errors)) == 7  # a rerun does not report the same lines again
+    assert again["completed"] == 0 and again["skipped"] == 5 and len(_lines(out)) == 5
+    assert len(_lines(errors)) == 8  # a rerun does not report the same lines again
 
 
 def test_torn_tail_is_truncated_and_ids_collected(tmp_path):
