@@ -125,3 +125,17 @@ def test_finished_grammar_allows_only_eos(compiler, tok):
     assert all(guide.accept(t) for t in tok.encode("yes"))
     mask = MaskBuilder(VOCAB).submit([(0, guide)], 1).result()
     assert allowed(mask.bits[0]) <= set(tok.eos_token_ids) and allowed(mask.bits[0])
+
+
+def test_tool_call_grammar_after_a_think_block(compiler, tok):
+    from serving.tool_parsers import calls_grammar
+    tools = [{"type": "function", "function": {"name": "add", "parameters": {
+        "type": "object", "properties": {"a": {"type": "integer"}}, "required": ["a"]}}}]
+    ids = {t: tok.backend.token_to_id(t) for t in ("<tool_call>", "</tool_call>")}
+    params = StructuredOutputsParams(grammar=calls_grammar(tools, True, ids), reasoning=True)
+    prompt = tok.apply_chat_template([{"role": "user", "content": "q"}], tokenize=True)
+    call = '<tool_call>\n{"name": "add", "arguments": {"a": 1}}\n</tool_call>'
+    assert accepts(compiler, tok, params, "<think>\nadd it\n</think>\n\n" + call, prompt)
+    assert accepts(compiler, tok, params, call + "\n" + call, prompt)
+    assert not accepts(compiler, tok, params, "<think>\nno\n</think>\n\nSure!", prompt)
+    assert not accepts(compiler, tok, params, call.replace('"a": 1', '"b": 1'), prompt)
