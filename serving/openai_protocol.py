@@ -12,9 +12,15 @@ import json
 import math
 from typing import Any
 
-from serving.openai_structured import (STRUCTURED_FIELDS, TOOL_FIELDS, UNSUPPORTED_FIELDS,
-                                       ToolRequest, read_structured, read_tools,
-                                       reject_unsupported)
+from serving.openai_structured import (
+    STRUCTURED_FIELDS,
+    TOOL_FIELDS,
+    UNSUPPORTED_FIELDS,
+    ToolRequest,
+    read_structured,
+    read_tools,
+    reject_unsupported,
+)
 from serving.request import MAX_LOGPROBS, MAX_N, CompletionOutput, SamplingParams
 from serving.structured_params import StructuredOutputsParams
 

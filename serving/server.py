@@ -18,11 +18,11 @@ from pathlib import Path
 from aiohttp import web
 
 from serving import openai_protocol as proto
-from serving.metrics import CONTENT_TYPE, Metrics
-from serving.openai_protocol import APIError
 from serving.chat_reply import ReplyFormat
-from serving.openai_structured import reply_format
+from serving.metrics import CONTENT_TYPE, Metrics
 from serving.openai_outputs import Job, merge, sse
+from serving.openai_protocol import APIError
+from serving.openai_structured import reply_format
 from serving.reasoning import reasoning_parser_class
 from serving.scheduler import QueueFullError
 from serving.tool_parsers import CALL_END, CALL_START, tool_parser_class
@@ -164,7 +164,6 @@ class OpenAIServer:
 
     async def _render_chat(self, messages, tools, kwargs) -> list[int]:
         tokenizer = self._need_tokenizer()
-
         kwargs = {**self.config.default_chat_template_kwargs, **kwargs}
 
         def render():

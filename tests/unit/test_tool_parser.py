@@ -13,7 +13,8 @@ from serving.reasoning import Qwen3ReasoningParser
 from serving.tool_parsers import HermesToolParser, calls_grammar
 
 ADD = '<tool_call>\n{"name": "add", "arguments": {"a": 385, "b": 47}}\n</tool_call>'
-MUL = '<tool_call>\n{"name": "mul", "arguments": {"x": "a \\"}\\" b", "y": [1, {"z": 2}]}}\n</tool_call>'
+MUL = ('<tool_call>\n{"name": "mul", "arguments": {"x": "a \\"}\\" b", "y": [1, {"z": 2}]}}'
+       "\n</tool_call>")
 THINK = "<think>\nI should add them.\n</think>\n\n"
 
 
