@@ -60,8 +60,9 @@ def _add_generate(subparsers) -> None:
     p = subparsers.add_parser(
         "generate", help="offline batch generation over a JSONL file (resumable)",
         description="Each input line: {\"id\", \"prompt\" (text or token ids) | \"messages\", "
-                    "optional SamplingParams fields}. One result line per id is appended to "
-                    "--output as it finishes; rerunning skips the ids already there.")
+                    "optional SamplingParams fields, e.g. \"structured_outputs\": {\"json\": "
+                    "SCHEMA}}. One result line per id is appended to --output as it "
+                    "finishes; rerunning skips the ids already there.")
     p.add_argument("--input", required=True, help="prompts JSONL")
     p.add_argument("--output", required=True, help="results JSONL (appended to; resumable)")
     p.add_argument("--errors", default=None,
