@@ -112,14 +112,16 @@ class LLM:
         return [finished[rid] for rid in ids]
 
     def chat(self, messages, sampling_params=None, *, chat_template_kwargs: dict | None = None,
-             add_generation_prompt: bool = True, use_tqdm: bool = False) -> list[RequestOutput]:
-        """messages: one conversation (list of {role, content}) or a list of conversations."""
+             add_generation_prompt: bool = True, use_tqdm: bool = False,
+             tools: list[dict] | None = None) -> list[RequestOutput]:
+        """messages: one conversation (list of {role, content}) or a list of conversations;
+        `tools` (OpenAI's function shape) are rendered by the chat template, as vLLM's."""
         tokenizer = self.get_tokenizer()
         if tokenizer is None:
             raise ValueError("chat needs a tokenizer; the model directory has none")
         conversations = [messages] if messages and isinstance(messages[0], dict) else messages
         prompts = [{"prompt_token_ids": tokenizer.apply_chat_template(
-            conv, add_generation_prompt=add_generation_prompt, tokenize=True,
+            conv, add_generation_prompt=add_generation_prompt, tokenize=True, tools=tools,
             **(chat_template_kwargs or {}))} for conv in conversations]
         return self.generate(prompts, sampling_params, use_tqdm=use_tqdm)
 
