@@ -1,5 +1,6 @@
 """Sampling defaults from generation_config.json (vLLM's --generation-config): a request
-that omits a field gets the checkpoint's value, an explicit one wins, `vllm` is neutral."""
+that omits a field gets the checkpoint's value, an explicit one wins, `vllm` is neutral.
+And the serve flags for tools and chat templates reach the server's config."""
 
 from __future__ import annotations
 
@@ -46,3 +47,21 @@ def test_requests_get_the_defaults_unless_they_say_otherwise(qwen3_dir, parse, b
     assert (explicit["temperature"], explicit["top_k"], explicit["top_p"]) == (1.0, -1, 0.95)
     neutral = parse(body, 1000, {}).sampling
     assert (neutral["temperature"], neutral["top_p"], neutral["top_k"]) == (1.0, 1.0, -1)
+
+
+def test_serve_flags_reach_the_server_config():
+    from serving.cli import build_parser
+    from serving.server import ServerConfig
+    args = build_parser().parse_args([
+        "serve", "--tool-call-parser", "hermes", "--enable-auto-tool-choice",
+        "--default-chat-template-kwargs", '{"enable_thinking": false}',
+        "--generation-config", "vllm"])
+    assert (args.tool_call_parser, args.enable_auto_tool_choice) == ("hermes", True)
+    assert args.default_chat_template_kwargs == {"enable_thinking": False}
+    assert args.generation_config == "vllm"
+    with pytest.raises(SystemExit):
+        build_parser().parse_args(["serve", "--default-chat-template-kwargs", "[1]"])
+    with pytest.raises(ValueError, match="tool_call_parser"):
+        ServerConfig(enable_auto_tool_choice=True)
+    with pytest.raises(ValueError, match="tool_call_parser"):
+        ServerConfig(tool_call_parser="mistral")
