@@ -1,6 +1,8 @@
 """On 8 simulated CPU devices: TP, EP, TP x EP and DP x TP layouts give the single-device
 greedy tokens, and every weight and the KV cache are sharded as the table says."""
 
+import re
+
 import jax
 import numpy as np
 import pytest
@@ -103,3 +105,18 @@ def test_bad_layouts_name_the_field(ckpt):
     with pytest.raises(ValueError, match="exceeds the 8 devices"):
         LLM(ckpt, compilation_cache_dir=None, precompile=False, tensor_parallel_size=4,
             data_parallel_size=4, **ARGS)
+
+
+def test_structured_outputs_under_tensor_parallelism():
+    """The mask goes to every device like the other step inputs: TP=2 samples what one
+    device samples under the same grammar (the embedded model has a tokenizer)."""
+    params = [SamplingParams(temperature=1.0, seed=s, max_tokens=12,
+                             structured_outputs={"regex": "[0-9]{2,6}( [a-z]+)?"})
+              for s in range(3)]
+    texts = []
+    for layout in ({}, {"tensor_parallel_size": 2}):
+        llm = LLM(compilation_cache_dir=None, **ARGS, **layout)
+        texts.append([o.outputs[0].text for o in llm.generate(["Sort the list: 3 1"] * 3,
+                                                              params)])
+    assert texts[0] == texts[1]
+    assert all(re.fullmatch("[0-9]{2,6}( [a-z]+)?", t) for t in texts[0])
