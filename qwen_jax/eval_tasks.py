@@ -4,7 +4,9 @@
 
 Prompts use the chat template in thinking mode (its default): the model writes a think
 block (empty for the list and copy tasks, the sum's digits ones-first for addition) and
-then its answer; the text after `</think>` must equal the answer exactly.
+then its answer; the text after `</think>` must equal the answer exactly. The tool task
+scores the whole loop: the model's call is parsed (Hermes format) and run, and its answer
+from the tool's result must be exact.
 
 Prints one line per task: `TASK accuracy=0.973 n=500`. Any difference in per-problem
 correctness between engine configurations (one request at a time, all at once, chunked
@@ -18,7 +20,7 @@ import json
 import sys
 from pathlib import Path
 
-from qwen_jax import tasks
+from qwen_jax import tasks, tool_task
 from qwen_jax.weights import DEFAULT_MODEL_DIR
 
 TINY_MODEL = DEFAULT_MODEL_DIR
@@ -38,16 +40,17 @@ def render_prompts(problems: list[tasks.Problem], template: str) -> list[str]:
     return [compiled.render(messages=p.messages, add_generation_prompt=True) for p in problems]
 
 
-def _sampling_params():
+def _sampling_params(max_tokens: int):
     try:
         from qwen_jax import SamplingParams
     except ImportError:  # a test stand-in for LLM ignores the parameters
         return None
-    return SamplingParams(temperature=0.0, max_tokens=MAX_ANSWER_TOKENS)
+    return SamplingParams(temperature=0.0, max_tokens=max_tokens)
 
 
-def generate_texts(llm, prompts: list[str], *, one_at_a_time: bool = False) -> list[str]:
-    params = _sampling_params()
+def generate_texts(llm, prompts: list[str], *, one_at_a_time: bool = False,
+                   max_tokens: int = MAX_ANSWER_TOKENS) -> list[str]:
+    params = _sampling_params(max_tokens)
     if one_at_a_time:
         outputs = [llm.generate([p], params)[0] for p in prompts]
     else:
@@ -56,16 +59,20 @@ def generate_texts(llm, prompts: list[str], *, one_at_a_time: bool = False) -> l
 
 
 def evaluate(llm, n: int, seed: int = 0, *, model_path: str | Path = TINY_MODEL,
-             task_names=tasks.TASKS, one_at_a_time: bool = False
+             task_names=tasks.ALL_TASKS, one_at_a_time: bool = False
              ) -> dict[str, tuple[float, list[bool]]]:
     """Per task: (exact-match accuracy, per-problem correctness) on n held-out problems."""
     template = chat_template(model_path)
     results = {}
     for task in task_names:
         problems = tasks.problems(task, n, seed=seed, split="eval")
-        texts = generate_texts(llm, render_prompts(problems, template),
-                               one_at_a_time=one_at_a_time)
-        correct = [tasks.final_answer(text) == p.answer for text, p in zip(texts, problems)]
+        if task == "tool":
+            correct = tool_task.evaluate(problems, template, lambda prompts, max_tokens: (
+                generate_texts(llm, prompts, one_at_a_time=one_at_a_time, max_tokens=max_tokens)))
+        else:
+            texts = generate_texts(llm, render_prompts(problems, template),
+                                   one_at_a_time=one_at_a_time)
+            correct = [tasks.final_answer(text) == p.answer for text, p in zip(texts, problems)]
         results[task] = (sum(correct) / max(1, n), correct)
     return results
 
@@ -89,7 +96,7 @@ def main(argv=None) -> None:
     ap.add_argument("--n", type=int, default=500, help="problems per task")
     ap.add_argument("--model", default=str(TINY_MODEL))
     ap.add_argument("--seed", type=int, default=0)
-    ap.add_argument("--tasks", default=",".join(tasks.TASKS))
+    ap.add_argument("--tasks", default=",".join(tasks.ALL_TASKS))
     ap.add_argument("--one-at-a-time", action="store_true", help="one request per generate()")
     ap.add_argument("--passes", type=int, default=1,
                     help="evaluate N times on one engine (with prefix caching, later passes "

@@ -3,7 +3,8 @@
 Each task maps a numpy Generator to a `Problem` (user prompt, exact answer). Training and
 evaluation draw from differently seeded generators (`problems(..., split=...)`), so eval
 problems are held out by seed. The `copy` task hides a code early in a long filler text
-(a few hundred tokens), so answering it needs attention across many KV-cache pages.
+(a few hundred tokens), so answering it needs attention across many KV-cache pages. The
+`tool` task (qwen_jax/tool_task.py) calls a tool, then answers from its result.
 """
 
 from __future__ import annotations
@@ -13,7 +14,10 @@ import string
 
 import numpy as np
 
-TASKS = ("add", "reverse", "sort", "copy")
+from qwen_jax.tool_task import make_tool
+
+TASKS = ("add", "reverse", "sort", "copy")  # one user message, one assistant turn
+ALL_TASKS = (*TASKS, "tool")  # + the two-turn tool task (qwen_jax/tool_task.py)
 _SPLIT_SEEDS = {"train": 0, "eval": 1_000_003}
 
 # Filler vocabulary of the copy task: lowercase words, so the uppercase code is unique.
@@ -43,6 +47,10 @@ class Problem:
     def completion(self) -> str:
         """The whole assistant turn after `<|im_start|>assistant\n`, as Qwen3 writes it."""
         return f"<think>\n{self.reasoning}\n</think>\n\n{self.answer}"
+
+    def turns(self) -> list[tuple[list[dict], tuple, str]]:
+        """(messages, tools, completion) for each assistant turn, as trained."""
+        return [(self.messages, (), self.completion)]
 
 
 def final_answer(text: str) -> str:
@@ -97,18 +105,19 @@ def make_copy(rng: np.random.Generator, min_words: int = 150, max_words: int = 3
     return Problem("copy", "Remember the code.\n" + text.lstrip("\n"), code)
 
 
-MAKERS = {"add": make_add, "reverse": make_reverse, "sort": make_sort, "copy": make_copy}
+MAKERS = {"add": make_add, "reverse": make_reverse, "sort": make_sort, "copy": make_copy,
+          "tool": make_tool}
 
 
 def task_rng(task: str, split: str, seed: int) -> np.random.Generator:
     if split not in _SPLIT_SEEDS:
         raise ValueError(f"split must be one of {', '.join(_SPLIT_SEEDS)}, got {split!r}")
-    return np.random.default_rng([_SPLIT_SEEDS[split], TASKS.index(task), seed])
+    return np.random.default_rng([_SPLIT_SEEDS[split], ALL_TASKS.index(task), seed])
 
 
 def problems(task: str, n: int, *, seed: int = 0, split: str = "eval") -> list[Problem]:
     """n problems of `task`, reproducible from (split, task, seed)."""
     if task not in MAKERS:
-        raise ValueError(f"task must be one of {', '.join(TASKS)}, got {task!r}")
+        raise ValueError(f"task must be one of {', '.join(ALL_TASKS)}, got {task!r}")
     rng = task_rng(task, split, seed)
     return [MAKERS[task](rng) for _ in range(n)]

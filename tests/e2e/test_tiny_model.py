@@ -85,6 +85,27 @@ def test_chat_template_equals_qwen3s_on_plain_chats(hf_tokenizer):
                     chat, tokenize=False, add_generation_prompt=gen, **kwargs)
 
 
+@pytest.mark.skipif(not QWEN3_TOKENIZER.exists(), reason="no Qwen3 tokenizer fixture")
+def test_chat_template_equals_qwen3s_with_tools_calls_and_results(hf_tokenizer):
+    from transformers import AutoTokenizer
+
+    from qwen_jax.tool_task import TOOLS, ToolProblem
+    qwen3 = AutoTokenizer.from_pretrained(QWEN3_TOKENIZER)
+    problem = ToolProblem("tool", 385, 47)
+    two_calls = problem.answer_messages()
+    two_calls[1] = {**two_calls[1], "content": "Let me add.", "tool_calls":
+                    two_calls[1]["tool_calls"] * 2}
+    two_calls.append({"role": "tool", "tool_call_id": "call_1", "content": "432"})
+    for chat in (problem.messages, problem.answer_messages(), two_calls,
+                 [{"role": "system", "content": "S"}, *problem.answer_messages()]):
+        for kwargs in ({}, {"enable_thinking": False}):
+            ours = hf_tokenizer.apply_chat_template(chat, tools=list(TOOLS), tokenize=False,
+                                                    add_generation_prompt=True, **kwargs)
+            assert ours == qwen3.apply_chat_template(chat, tools=list(TOOLS), tokenize=False,
+                                                     add_generation_prompt=True, **kwargs)
+    assert "<tool_response>\n432\n</tool_response>" in ours and "# Tools" in ours
+
+
 def _prompt_ids(full_forward, n_per_task: int) -> list[list[int]]:
     problems = [p for t in tasks.TASKS for p in tasks.problems(t, n_per_task, seed=7)]
     texts = render_prompts(problems, chat_template(TINY_MODEL))

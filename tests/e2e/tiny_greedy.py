@@ -48,11 +48,12 @@ class FullForwardLLM:
         self._state = state
         self._forward = jax.jit(lambda st, ids: nnx.merge(graphdef, st)(ids))
 
-    def greedy_ids(self, prompts: list[list[int]]) -> list[list[int]]:
+    def greedy_ids(self, prompts: list[list[int]], max_tokens: int | None = None
+                   ) -> list[list[int]]:
         seqs = [list(p) for p in prompts]
         lengths = [len(p) for p in prompts]
         done = [False] * len(seqs)
-        for _ in range(self.max_tokens):
+        for _ in range(max_tokens or self.max_tokens):
             width = -(-max(len(s) for s in seqs) // self.bucket) * self.bucket
             ids = np.full((len(seqs), width), self.pad, np.int32)
             for i, s in enumerate(seqs):
@@ -68,10 +69,11 @@ class FullForwardLLM:
         return [_strip_eos(s[n:], self.eos) for s, n in zip(seqs, lengths)]
 
     def generate(self, prompts: list[str], sampling_params=None) -> list[_Output]:
-        del sampling_params  # always greedy, max_tokens from the constructor
+        """Always greedy; max_tokens from the parameters, else the constructor's."""
         encoded = [self.tokenizer.encode(p).ids for p in prompts]
+        max_tokens = getattr(sampling_params, "max_tokens", None)
         return [_Output(p, [_Completion(self.tokenizer.decode(ids), ids)])
-                for p, ids in zip(prompts, self.greedy_ids(encoded))]
+                for p, ids in zip(prompts, self.greedy_ids(encoded, max_tokens))]
 
 
 def _strip_eos(ids: list[int], eos: set[int]) -> list[int]:

@@ -68,3 +68,34 @@ def test_eval_problems_are_seeded_apart_from_training():
 def test_bad_task_or_split_is_refused_by_name(kwargs, field):
     with pytest.raises(ValueError, match=field):
         tasks.problems(**kwargs)
+
+
+def test_tool_problems_call_add_then_answer_from_the_result():
+    from qwen_jax import tool_task
+    for p in tasks.problems("tool", 50):
+        a, b = map(int, re.fullmatch(r"Use the tool to add (\d+) and (\d+)\.", p.prompt).groups())
+        (m1, tools1, call), (m2, tools2, answer) = p.turns()
+        assert tools1 == tools2 == tool_task.TOOLS and m1 == p.messages
+        assert call == ("<think>\n\n</think>\n\n<tool_call>\n{\"name\": \"add\", \"arguments\": "
+                        f"{{\"a\": {a}, \"b\": {b}}}}}\n</tool_call>")
+        assert tool_task.parse_call(call) == {"a": a, "b": b}
+        assert m2[-1] == {"role": "tool", "tool_call_id": "call_0", "content": str(a + b)}
+        assert answer.endswith(f"{a} + {b} = {a + b}")
+
+
+def test_tool_eval_scores_the_whole_loop():
+    from qwen_jax import tool_task
+    problems = [tool_task.ToolProblem("tool", 3, 4), tool_task.ToolProblem("tool", 10, 20)]
+    replies = {  # what a fake model writes for each prompt's last user message
+        "Use the tool to add 3 and 4.": problems[0].call_text,
+        "Use the tool to add 10 and 20.": problems[1].call_text.replace("20", "21"),
+        "<tool_response>\n7\n</tool_response>": "<think>\n\n</think>\n\n3 + 4 = 7"}
+
+    def generate(prompts, max_tokens):
+        assert max_tokens == tool_task.MAX_TOOL_TOKENS
+        return [next(v for k, v in replies.items() if k in p.rsplit("<|im_start|>", 2)[-2])
+                for p in prompts]
+    from qwen_jax.eval_tasks import TINY_MODEL, chat_template
+    assert tool_task.evaluate(problems, chat_template(TINY_MODEL), generate) == [True, False]
+    assert tool_task.parse_call("<tool_call>\n{broken}\n</tool_call>") is None
+    assert tool_task.parse_call("text first " + problems[0].call_text) is None
