@@ -6,8 +6,11 @@ Einsum alphabet, used in every equation and shape comment of the project:
   E experts, F FFN dim (expert or dense), V vocab, P pages, L page size,
   C context positions of one sequence (pages_per_seq * L), X stacked layers.
 
-Parameters may carry leading stacked-layer dims (`stack`): a stacked module is never
-called directly; `jax.lax.scan` slices it and calls the per-layer view (see model.py).
+Parameters may carry a leading stacked-layer dim (`stack`). In the serving step the
+layer scan hands each stacked module a layer index: matrices stay whole and the matmul
+ops read `w[layer]` in place, while the per-layer vectors (norm weights, biases) arrive
+already sliced, all of them from one table (see model.py). `Linear.__call__` and
+`RMSNorm.__call__` are the per-layer views (used on sliced params, e.g. in training).
 """
 
 from __future__ import annotations
@@ -62,10 +65,14 @@ class RMSNorm(nnx.Module):
         self.eps = eps
 
     def __call__(self, x: jax.Array) -> jax.Array:
-        x32 = x.astype(jnp.float32)
-        variance = jnp.mean(x32 * x32, axis=-1, keepdims=True)
-        normed = (x32 * jax.lax.rsqrt(variance + self.eps)).astype(x.dtype)
-        return self.weight[...] * normed
+        return self.weight[...] * rms_normalize(x, self.eps)
+
+
+def rms_normalize(x: jax.Array, eps: float) -> jax.Array:
+    """x / rms(x) over the last dim, computed in fp32 and cast back (HF's order)."""
+    x32 = x.astype(jnp.float32)
+    variance = jnp.mean(x32 * x32, axis=-1, keepdims=True)
+    return (x32 * jax.lax.rsqrt(variance + eps)).astype(x.dtype)
 
 
 def rotate_half(x: jax.Array) -> jax.Array:
@@ -73,11 +80,21 @@ def rotate_half(x: jax.Array) -> jax.Array:
     return jnp.concatenate([-x[..., half:], x[..., :half]], axis=-1)
 
 
-def apply_rope(x: jax.Array, positions: jax.Array, inv_freq: jax.Array,
-               scale: float) -> jax.Array:
-    """Neox-style RoPE as HF applies it. x: [T, n, H]; positions: int32[T]; inv_freq: [H/2]."""
+def rope_tables(positions: jax.Array, inv_freq: jax.Array, scale: float, dtype):
+    """(cos, sin) [T, 1, H] in dtype for positions int32[T]; built once per step."""
     freqs = positions.astype(jnp.float32)[:, None] * inv_freq[None, :]  # [T, H/2]
     emb = jnp.concatenate([freqs, freqs], axis=-1)  # [T, H]
-    cos = (jnp.cos(emb) * scale).astype(x.dtype)[:, None, :]  # [T, 1, H]
-    sin = (jnp.sin(emb) * scale).astype(x.dtype)[:, None, :]
+    cos = (jnp.cos(emb) * scale).astype(dtype)[:, None, :]  # [T, 1, H]
+    sin = (jnp.sin(emb) * scale).astype(dtype)[:, None, :]
+    return cos, sin
+
+
+def rotate(x: jax.Array, cos: jax.Array, sin: jax.Array) -> jax.Array:
+    """Neox-style RoPE as HF applies it. x: [T, n, H]; cos, sin: [T, 1, H]."""
     return x * cos + rotate_half(x) * sin
+
+
+def apply_rope(x: jax.Array, positions: jax.Array, inv_freq: jax.Array,
+               scale: float) -> jax.Array:
+    """x: [T, n, H]; positions: int32[T]; inv_freq: [H/2]."""
+    return rotate(x, *rope_tables(positions, inv_freq, scale, x.dtype))

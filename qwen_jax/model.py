@@ -9,7 +9,7 @@ from flax import nnx
 
 import pallas_kernels
 from qwen_jax import sharding
-from qwen_jax.attention import Attention, AttentionMetadata
+from qwen_jax.attention import Attention, AttentionMetadata, StepContext, step_context
 from qwen_jax.config import ModelConfig
 from qwen_jax.layers import RMSNorm, Runtime, init_param
 from qwen_jax.moe import MLP, SparseMoE
@@ -28,29 +28,56 @@ class DecoderLayer(nnx.Module):
         mlp_cls = SparseMoE if kind == "moe" else MLP
         self.mlp = mlp_cls(cfg, stack=stack, dtype=dtype, rngs=rngs)
 
-    def __call__(self, x, positions, kv_cache, meta, page_offset, valid, rope, rt):
-        attn_out, kv_cache = self.self_attn(self.input_layernorm(x), positions, kv_cache, meta,
-                                            page_offset, rope, rt)
+    def __call__(self, x, kv_cache, ctx: StepContext, layer, page_offset, rt):
+        """Layer `layer` of the stack: matrices whole, vectors already sliced."""
+        attn_out, kv_cache = self.self_attn(self.input_layernorm(x), kv_cache, ctx, layer,
+                                            page_offset, rt)
         x = x + attn_out
-        x = x + self.mlp(self.post_attention_layernorm(x), valid, rt)
+        x = x + self.mlp(self.post_attention_layernorm(x), ctx.valid, rt, layer)
         return x, kv_cache
 
 
-def run_segment(stack: DecoderLayer, x, positions, kv_cache, meta, valid, rope, rt):
-    """Scan the stacked layers of one segment; the cache rides in the carry (in place)."""
+def layer_vectors(state):
+    """Per-layer vector params ([X, n] stacks: norm weights, biases) gathered into one
+    [X, sum n] table per dtype, built once per step, and a function that returns the
+    state with the matrices whole and the vectors of one layer: one dynamic slice per
+    layer instead of one per vector."""
+    leaves, treedef = jax.tree.flatten(state)
+    groups: dict = {}
+    for i, leaf in enumerate(leaves):
+        if leaf.ndim == 2:
+            groups.setdefault(jnp.dtype(leaf.dtype), []).append(i)
+    tables = {dtype: jnp.concatenate([leaves[i] for i in ids], axis=1)
+              for dtype, ids in groups.items()}
+
+    def at(layer):
+        out = list(leaves)
+        for dtype, ids in groups.items():
+            row = tables[dtype][layer]  # [sum n]
+            offsets = np.cumsum([0] + [leaves[i].shape[1] for i in ids])
+            for i, start, stop in zip(ids, offsets[:-1], offsets[1:]):
+                out[i] = row[start:stop]
+        return jax.tree.unflatten(treedef, out)
+
+    return at
+
+
+def run_segment(stack: DecoderLayer, x, kv_cache, ctx: StepContext, rt):
+    """Scan the stacked layers of one segment over a layer index; the weights stay whole
+    (read in place by the ops) and the cache rides in the carry (updated in place)."""
     graphdef, state = nnx.split(stack)
     num_layers = jax.tree.leaves(state)[0].shape[0]
     pages_per_layer = kv_cache[0].shape[0] // num_layers
+    layer_state = layer_vectors(state)
 
-    def body(carry, xs):
-        h, kv = carry
-        layer_state, layer_idx = xs
-        layer = nnx.merge(graphdef, layer_state)
-        h, kv = layer(h, positions, kv, meta, layer_idx * pages_per_layer, valid, rope, rt)
-        return (h, kv), None
+    def body(carry, _):
+        h, kv, layer = carry  # the index rides in the carry: no per-layer slice of an iota
+        module = nnx.merge(graphdef, layer_state(layer))
+        h, kv = module(h, kv, ctx, layer, layer * pages_per_layer, rt)
+        return (h, kv, layer + 1), None
 
-    layer_ids = jnp.arange(num_layers, dtype=jnp.int32)
-    (x, kv_cache), _ = jax.lax.scan(body, (x, kv_cache), (state, layer_ids))
+    init = (x, kv_cache, jnp.zeros((), jnp.int32))
+    (x, kv_cache, _), _ = jax.lax.scan(body, init, length=num_layers)
     return x, kv_cache
 
 
@@ -81,12 +108,15 @@ class Qwen3ForCausalLM(nnx.Module):
     # ---- serving path ------------------------------------------------------------------
     def forward(self, token_ids, positions, kv_caches: KVCache, meta: AttentionMetadata):
         """token_ids, positions: int32[T] -> (final hidden [T, D], updated caches)."""
+        cfg = self.config
         x = self.embed_tokens[...][token_ids]  # [T, D]
-        valid = meta.valid_tokens(token_ids.shape[0])
-        rope = (self.rope_inv_freq[...], self.rope_scale)
+        ctx = step_context(meta, positions, (self.rope_inv_freq[...], self.rope_scale),
+                           dtype=self.dtype, num_q_heads=cfg.num_attention_heads,
+                           num_kv_heads=self.num_cache_kv_heads, head_dim=cfg.head_dim,
+                           rt=self.runtime)
         new_caches = []
         for stack, kv in zip(self.segments, kv_caches):
-            x, kv = run_segment(stack, x, positions, kv, meta, valid, rope, self.runtime)
+            x, kv = run_segment(stack, x, kv, ctx, self.runtime)
             new_caches.append(kv)
         return self.norm(x), new_caches
 
