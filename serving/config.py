@@ -7,8 +7,13 @@ import functools
 
 from serving.buckets import (MIN_SEQ_BUCKET, MIN_TOKEN_BUCKET, make_buckets)
 
-KV_CACHE_DTYPES = ("auto", "bfloat16", "float16", "float32", "fp8", "fp8_e4m3",
-                   "fp8_e5m2", "int8")
+# kv_cache_dtype -> the dtype the KV pages are stored in (None: the model's). The one
+# list: the config accepts exactly these and serving/kv_cache.py allocates from it. fp8
+# pages are written and read with unit per-kv-head scales; int8 is not offered, since
+# unit scales would round every value to an integer.
+KV_CACHE_DTYPES = {"auto": None, "bfloat16": "bfloat16", "float16": "float16",
+                   "float32": "float32", "fp8": "float8_e4m3fn", "fp8_e4m3": "float8_e4m3fn",
+                   "fp8_e5m2": "float8_e5m2"}
 POLICIES = ("fcfs", "priority")
 
 
@@ -45,7 +50,8 @@ class CacheConfig:
         _require(0 < self.gpu_memory_utilization <= 1,
                  f"gpu_memory_utilization must be in (0, 1], got {self.gpu_memory_utilization}")
         _require(self.kv_cache_dtype in KV_CACHE_DTYPES,
-                 f"kv_cache_dtype must be one of {KV_CACHE_DTYPES}, got {self.kv_cache_dtype!r}")
+                 f"kv_cache_dtype must be one of {', '.join(KV_CACHE_DTYPES)}, got "
+                 f"{self.kv_cache_dtype!r}")
         _require(self.swap_space >= 0, f"swap_space must be >= 0, got {self.swap_space}")
 
 

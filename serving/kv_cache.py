@@ -7,20 +7,20 @@ import logging
 import jax
 import jax.numpy as jnp
 
+from serving.config import KV_CACHE_DTYPES
+
 logger = logging.getLogger(__name__)
 
 # CPU backends report no memory limit; like vLLM's CPU KV space, use a fixed budget.
 CPU_KV_CACHE_BYTES = 1 << 30
 
-_KV_DTYPES = {"auto": None, "bfloat16": jnp.bfloat16, "float32": jnp.float32,
-              "fp8": jnp.float8_e4m3fn, "fp8_e4m3": jnp.float8_e4m3fn,
-              "float16": jnp.float16}
-
-
 def kv_cache_dtype(name: str, model_dtype):
-    if name not in _KV_DTYPES:
-        raise ValueError(f"kv_cache_dtype must be one of {', '.join(_KV_DTYPES)}, got {name!r}")
-    return _KV_DTYPES[name] or model_dtype
+    """The pages' dtype for a `kv_cache_dtype` name (serving/config.py's one list)."""
+    if name not in KV_CACHE_DTYPES:
+        raise ValueError(f"kv_cache_dtype must be one of {', '.join(KV_CACHE_DTYPES)}, "
+                         f"got {name!r}")
+    stored = KV_CACHE_DTYPES[name]
+    return model_dtype if stored is None else jnp.dtype(stored)
 
 
 def bytes_per_page(model_config, block_size: int, dtype, num_kv_heads: int | None = None) -> int:
