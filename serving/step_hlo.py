@@ -207,6 +207,25 @@ def summary(runner, bucket, *, platforms=("cuda",)) -> dict:
     }
 
 
+def sampler_summary(num_seqs: int, vocab: int, max_model_len: int, *,
+                    platforms=("cuda",)) -> dict:
+    """Heavy ops of the sampler alone (it is part of "outside" in `summary`)."""
+    from serving.runner import padding_sampling
+    from serving.sampler import sample
+
+    sampling = jax.tree.map(lambda x: jax.ShapeDtypeStruct(np.shape(x), np.asarray(x).dtype),
+                            padding_sampling(num_seqs, max_model_len))
+    lowered = jax.jit(sample).trace(jax.ShapeDtypeStruct((num_seqs, vocab), jnp.float32),
+                                    sampling).lower(lowering_platforms=tuple(platforms))
+    module = StepModule(lowered)
+    counter = collections.Counter()
+    module.walk(module.main.regions[0].blocks[0].operations,
+                lambda op: counter.update([op.operation.name]))
+    by_op = heavy(counter)
+    return {"num_seqs": num_seqs, "vocab": vocab, "ops": sum(counter.values()),
+            "heavy": sum(by_op.values()), "heavy_by_op": by_op}
+
+
 def weight_reads(runner, bucket, *, platforms=("cuda",)) -> dict:
     """How the stacked weights reach the matmuls of one bucket's lowered step.
 
