@@ -13,7 +13,7 @@ from collections.abc import Sequence
 
 import numpy as np
 
-from serving.buckets import pick_bucket
+from serving.buckets import pick_bucket, pick_seq_bucket
 from serving.scheduler import SchedulerOutput
 
 
@@ -56,7 +56,7 @@ def build_model_inputs(scheduler_output: SchedulerOutput, token_buckets: Sequenc
     starts = np.fromiter((s.start for s in scheduled), np.int32, num_seqs)
     num_tokens = int(num_new.sum())
     T = pick_bucket(num_tokens, token_buckets)
-    S = pick_bucket(num_seqs, seq_buckets)
+    S = pick_seq_bucket(T, num_seqs, seq_buckets)
 
     query_start = np.full(S + 1, num_tokens, np.int32)
     query_start[0] = 0

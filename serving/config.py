@@ -5,7 +5,7 @@ from __future__ import annotations
 import dataclasses
 import functools
 
-from serving.buckets import (MIN_SEQ_BUCKET, MIN_TOKEN_BUCKET, make_buckets)
+from serving.buckets import MIN_SEQ_BUCKET, make_buckets, make_token_buckets
 
 # kv_cache_dtype -> the dtype the KV pages are stored in (None: the model's). The one
 # list: the config accepts exactly these and serving/kv_cache.py allocates from it. fp8
@@ -86,10 +86,10 @@ class SchedulerConfig:
 
     @functools.cached_property
     def token_bucket_sizes(self) -> tuple[int, ...]:
-        """Padded token counts T, one compiled step each."""
+        """Padded token counts T (serving/buckets.py has the reasoning)."""
         if self.token_buckets is not None:
             return self.token_buckets
-        return tuple(make_buckets(self.max_num_batched_tokens, minimum=MIN_TOKEN_BUCKET))
+        return tuple(make_token_buckets(self.max_num_batched_tokens))
 
     @functools.cached_property
     def seq_bucket_sizes(self) -> tuple[int, ...]:
