@@ -116,23 +116,32 @@ class ModelRunner:
         return jax.tree.map(lambda x: jax.ShapeDtypeStruct(
             np.shape(x), np.asarray(x).dtype, sharding=self._inputs_sharding), host)
 
-    def _compile(self, buckets, progress: bool = False):
+    def _compile(self, buckets, progress: bool = False, on_compiled=None):
         """Trace and lower each bucket's step (Python, serial), then compile them on a
-        thread pool: XLA compiles in C++ without the GIL, so buckets build in parallel."""
+        thread pool: XLA compiles in C++ without the GIL, so buckets build in parallel.
+        on_compiled(bucket, executable, seconds) is called as each one is ready."""
         from tqdm import tqdm
         lowered = [self._step.lower(self.state, self.kv_caches, *self._abstract_args(b))
                    for b in buckets]
+
+        def compile_one(bucket, low):
+            start = time.perf_counter()
+            executable = low.compile()
+            if on_compiled is not None:
+                on_compiled(bucket, executable, time.perf_counter() - start)
+            return executable
+
         workers = max(1, min(len(buckets), os.cpu_count() or 1))
         with concurrent.futures.ThreadPoolExecutor(workers) as pool:
-            compiled = list(tqdm(pool.map(lambda low: low.compile(), lowered), total=len(buckets),
+            compiled = list(tqdm(pool.map(compile_one, buckets, lowered), total=len(buckets),
                                  desc="compiling buckets", unit="bucket", disable=not progress))
         self._executables.update(zip(buckets, compiled))
         return compiled
 
-    def precompile(self, pairs, progress: bool = True) -> float:
+    def precompile(self, pairs, progress: bool = True, on_compiled=None) -> float:
         """Compile every (T, S) bucket up front, so serving never compiles."""
         start = time.perf_counter()
-        self._compile([tuple(p) for p in pairs], progress)
+        self._compile([tuple(p) for p in pairs], progress, on_compiled)
         return time.perf_counter() - start
 
 

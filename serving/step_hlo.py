@@ -11,6 +11,7 @@ from __future__ import annotations
 
 import collections
 import dataclasses
+import re
 
 import jax
 import jax.numpy as jnp
@@ -33,6 +34,27 @@ _WEIGHT_OPS = _VIEW_OPS | _SLICE_OPS | {"stablehlo.convert", "stablehlo.transpos
                                         "stablehlo.broadcast_in_dim",
                                         "stablehlo.concatenate", "stablehlo.copy"}
 _READERS = frozenset({"stablehlo.custom_call", "stablehlo.dot_general"})
+
+
+def cuda_lowering_error() -> str | None:
+    """None when this jax can lower a Triton Pallas kernel for CUDA here, else the reason.
+
+    jax 0.10.x does it on a CPU-only machine (CI); later versions may need a GPU to pick
+    the Triton target."""
+    from jax.experimental import pallas as pl
+    from jax.experimental.pallas import triton as pltriton
+
+    def copy(x_ref, o_ref):
+        o_ref[...] = x_ref[...]
+
+    spec = jax.ShapeDtypeStruct((16,), jnp.float32)
+    call = pl.pallas_call(copy, out_shape=spec,
+                          compiler_params=pltriton.CompilerParams(num_warps=1, num_stages=1))
+    try:
+        jax.jit(call).trace(spec).lower(lowering_platforms=("cuda",))
+    except Exception as e:  # noqa: BLE001 - any failure means: cannot lower here
+        return f"{type(e).__name__}: {str(e)[:200]}"
+    return None
 
 
 def abstract_runner(model: str = "qwen3-30b-a3b", *, dtype: str = "bfloat16",
@@ -247,6 +269,39 @@ def weight_reads(runner, bucket, *, platforms=("cuda",)) -> dict:
                                 and any(p in _SLICE_OPS for p in u.path)}),
         "consumers": {w: dict(c) for w, c in consumers.items()},
     }
+
+
+_COMPILED_KINDS = {
+    "fusions": r"\bfusion\(", "custom_calls": r"\bcustom-call\(",
+    "triton_calls": r'custom_call_target="__gpu\$xla\.gpu\.triton"',
+    "cublas_calls": r'custom_call_target="__cublas', "while": r"\bwhile\(",
+    "conditional": r"\bconditional\(", "sort": r"\bsort\(", "copy": r"\bcopy\(",
+    "dynamic_slice": r"\bdynamic-slice\(",
+}
+
+
+def per_layer_weight_shapes(runner) -> set[tuple[int, ...]]:
+    """One layer's shape of every stacked matrix, and its views with the last two dims
+    merged (gate_up [E, D, 2, F] is read as [E, D, 2F])."""
+    shapes = set()
+    for path, leaf in jax.tree_util.tree_flatten_with_path(runner.state)[0]:
+        if "segments" in jax.tree_util.keystr(path) and leaf.ndim >= 3:
+            shape = tuple(leaf.shape[1:])
+            shapes |= {shape, (*shape[:-2], shape[-2] * shape[-1])}
+    return shapes
+
+
+def compiled_counts(hlo_text: str, weight_shapes=()) -> dict:
+    """Instruction counts of a compiled (optimised) HLO module, and how many instructions
+    produce an array of a per-layer weight's shape: a weight slice copied, not read in
+    place (an activation of that exact shape would count too: read it as an upper bound)."""
+    counts = {k: len(re.findall(p, hlo_text)) for k, p in _COMPILED_KINDS.items()}
+    dims = "|".join(",".join(map(str, s)) for s in sorted(weight_shapes))
+    if dims:
+        copies = re.findall(rf"= \w+\[(?:{dims})\]\{{[^}}]*\}} (?:dynamic-slice|fusion|copy)\(",
+                            hlo_text)
+        counts["weight_slice_copies"] = len(copies)
+    return counts
 
 
 def _type_key(t) -> tuple[tuple[int, ...], str]:

@@ -5,6 +5,10 @@ place by a kernel, the layer body stays under its heavy-op ceiling, fp8 caches l
 import pytest
 
 from serving import step_hlo
+from tests.helpers.lowering import cuda_lowering_error
+
+pytestmark = pytest.mark.skipif(cuda_lowering_error() is not None,
+                                reason=f"cannot lower for CUDA here: {cuda_lowering_error()}")
 
 # Batch-1 decode (attention split across programs), 64 decodes, a 2k-token prefill.
 BUCKETS = [(8, 4), (64, 64), (2048, 64)]

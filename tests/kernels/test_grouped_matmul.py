@@ -12,6 +12,7 @@ import pytest
 from kernel_cases import BF16, INTERPRET, as_float
 from pallas_kernels import grouped_matmul, grouped_matmul_reference, plan_groups
 from pallas_kernels.grouped_matmul import group_ends_of
+from tests.helpers.lowering import requires_cuda_lowering
 
 # Sizes chosen against 16-row tiles: empty groups, groups inside one tile, a group
 # spanning several tiles, unaligned boundaries, and trailing rows past sum(sizes).
@@ -54,6 +55,7 @@ def test_tuned_blocks_on_a_moe_like_shape():
     np.testing.assert_allclose(out, expected, atol=2e-2, rtol=2e-2)
 
 
+@requires_cuda_lowering
 def test_lowers_to_triton_for_qwen_expert_shapes():
     # Qwen3-30B-A3B experts: 8k routed rows, hidden 2048, 2 x 768 gate/up; no GPU needed.
     shape = jax.ShapeDtypeStruct

@@ -14,6 +14,7 @@ from kernel_cases import BF16, FP8, INTERPRET, as_float, make_case
 from pallas_kernels import (plan_attention, plan_attention_reference, ragged_paged_attention,
                             ragged_paged_attention_reference)
 from pallas_kernels.ragged_paged_attention import tuning
+from tests.helpers.lowering import requires_cuda_lowering
 
 PAGE = 16
 # (q_len, kv_len): decodes at kv 1, a page boundary (16, 32) and one past it; a short
@@ -124,6 +125,7 @@ def test_one_plan_serves_every_call_of_a_step():
                                interpret=True)
 
 
+@requires_cuda_lowering
 @pytest.mark.parametrize("num_q_heads", [32, 64], ids=["30b-a3b", "235b-a22b"])
 @pytest.mark.parametrize("page_dtype", [jnp.bfloat16, jnp.float8_e4m3fn], ids=["bf16", "fp8"])
 def test_jits_with_traced_num_seqs_and_lowers_to_triton_for_qwen_shapes(num_q_heads,

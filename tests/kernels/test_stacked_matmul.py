@@ -12,6 +12,7 @@ import pytest
 from kernel_cases import BF16, INTERPRET, as_float
 from pallas_kernels import stacked_matmul, stacked_matmul_reference
 from pallas_kernels.stacked_matmul import tuning
+from tests.helpers.lowering import requires_cuda_lowering
 
 
 def _weights(rng, depth, widths, dtype, layers=3):
@@ -60,6 +61,7 @@ def test_decode_blocks_spread_the_columns_over_many_programs():
     assert (prefill.block_m, prefill.block_n) == (128, 128)
 
 
+@requires_cuda_lowering
 def test_lowers_to_triton_for_qwen_projection_shapes():
     shape = jax.ShapeDtypeStruct
     stacks = [shape((48, 2048, n), jnp.bfloat16) for n in (4096, 512, 512)]
