@@ -19,6 +19,7 @@ script works: those numbers mean nothing.
 
 import argparse
 import dataclasses
+import functools
 import json
 import sys
 import time
@@ -117,10 +118,10 @@ def checks(rng, shapes, interpret):
         if kv_dtype != jnp.bfloat16:
             ones = jnp.ones((shapes.num_kv_heads,), jnp.float32)
             scales = dict(k_scale=ones, v_scale=ones)
-        out = jax.jit(lambda *a: ragged_paged_attention(*a, sm_scale=sm_scale, **scales,
-                                                        interpret=interpret))(*args)
-        ref = jax.jit(lambda *a: ragged_paged_attention_reference(*a, sm_scale=sm_scale,
-                                                                  **scales))(*args)
+        out = jax.jit(functools.partial(ragged_paged_attention, sm_scale=sm_scale, **scales,
+                                        interpret=interpret))(*args)
+        ref = jax.jit(functools.partial(ragged_paged_attention_reference, sm_scale=sm_scale,
+                                        **scales))(*args)
         yield _check(name, out, ref)
     (x, w), kwargs, _ = moe_case(rng, shapes, 5, 8)
     out = grouped_matmul(x, w, interpret=interpret, **kwargs)

@@ -16,7 +16,6 @@ import re
 import jax
 import jax.numpy as jnp
 import numpy as np
-from jax._src.lib.mlir import ir
 
 # Ops that cost a kernel launch (or a loop of them) on a GPU; elementwise ops, reshapes
 # and constants fuse into their neighbours.
@@ -34,6 +33,13 @@ _WEIGHT_OPS = _VIEW_OPS | _SLICE_OPS | {"stablehlo.convert", "stablehlo.transpos
                                         "stablehlo.broadcast_in_dim",
                                         "stablehlo.concatenate", "stablehlo.copy"}
 _READERS = frozenset({"stablehlo.custom_call", "stablehlo.dot_general"})
+
+
+def _ir():
+    """jax's MLIR bindings: a private module, imported only by the StableHLO walk (the
+    probe's compiled-HLO counts do not need it)."""
+    from jax._src.lib.mlir import ir
+    return ir
 
 
 def cuda_lowering_error() -> str | None:
@@ -103,6 +109,7 @@ class StepModule:
     """A lowered step's StableHLO module, walked with calls inlined."""
 
     def __init__(self, lowered, weight_types=frozenset()):
+        ir = _ir()
         self.module = lowered.compiler_ir("stablehlo")
         self.funcs = {ir.StringAttr(op.attributes["sym_name"]).value: op
                       for op in self.module.body.operations}
@@ -112,7 +119,7 @@ class StepModule:
 
     # ---- walking -----------------------------------------------------------------------
     def _callee(self, op):
-        return self.funcs[ir.FlatSymbolRefAttr(op.attributes["callee"]).value]
+        return self.funcs[_ir().FlatSymbolRefAttr(op.attributes["callee"]).value]
 
     def walk(self, ops, visit):
         """visit(op) for every op under `ops`, entering calls and nested regions."""
@@ -191,7 +198,7 @@ class StepModule:
         for loop in loops:
             counter = collections.Counter()
             self.walk(loop.regions[1].blocks[0].operations,
-                      lambda op: counter.update([op.operation.name]))
+                      lambda op, counter=counter: counter.update([op.operation.name]))
             per_layer.append(counter)
         outside = collections.Counter()
         for op in self._top_level():
@@ -305,7 +312,7 @@ def compiled_counts(hlo_text: str, weight_shapes=()) -> dict:
 
 
 def _type_key(t) -> tuple[tuple[int, ...], str]:
-    ranked = ir.RankedTensorType(t)
+    ranked = _ir().RankedTensorType(t)
     return tuple(ranked.shape), _DTYPE_NAMES.get(str(ranked.element_type),
                                                  str(ranked.element_type))
 

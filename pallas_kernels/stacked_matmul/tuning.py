@@ -12,17 +12,7 @@
 Chosen by this reasoning, not yet measured on an H200.
 """
 
-import dataclasses
-
-
-@dataclasses.dataclass(frozen=True, kw_only=True)
-class MatmulBlocks:
-    block_m: int
-    block_k: int
-    block_n: int
-    num_warps: int
-    num_stages: int
-
+from pallas_kernels.grouped_matmul.tuning import MatmulBlocks  # the same tile record
 
 _DECODE_ROWS = 64
 _TARGET_PROGRAMS = 128
