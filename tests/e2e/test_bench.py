@@ -162,7 +162,7 @@ def test_bench_serve_unreachable_server_fails_fast(tmp_path):
 
 
 def test_bench_serve_against_the_real_server(tmp_path, tokenizer_ckpt, compile_cache):
-    server = pytest.importorskip("serving.server")
+    import serving.server as server
     from serving.async_llm import AsyncLLM
     ckpt, _ = tokenizer_ckpt
     llm = AsyncLLM(str(ckpt), max_num_seqs=8, max_num_batched_tokens=64, max_model_len=96,

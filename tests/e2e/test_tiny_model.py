@@ -12,9 +12,9 @@ import pytest
 from qwen_jax import tasks
 from qwen_jax.eval_tasks import (TINY_MODEL, chat_template, evaluate, generate_texts,
                                  render_prompts)
+from tests.helpers.fixtures import QWEN3_TOKENIZER
 from tiny_greedy import FullForwardLLM, eos_ids, hf_greedy_ids
 
-QWEN3_TOKENIZER = Path("/work/shared/fixtures/qwen3-tokenizer")
 SPECIAL = ["<|endoftext|>", "<|im_start|>", "<|im_end|>", "<think>", "</think>"]
 N_PER_TASK = 3
 
@@ -66,7 +66,6 @@ def test_chat_template_renders_qwen3_layout(hf_tokenizer):
         "<|im_start|>assistant\n<think>\n\n</think>\n\n5<|im_end|>\n")
 
 
-@pytest.mark.skipif(not QWEN3_TOKENIZER.exists(), reason="no Qwen3 tokenizer fixture")
 def test_chat_template_equals_qwen3s_on_plain_chats(hf_tokenizer):
     from transformers import AutoTokenizer
     qwen3 = AutoTokenizer.from_pretrained(QWEN3_TOKENIZER)
@@ -135,10 +134,7 @@ EVAL_SEED = 5
 
 
 def _llm(**kwargs):
-    try:
-        from qwen_jax import LLM
-    except ImportError:
-        pytest.skip("qwen_jax.LLM is not importable")
+    from qwen_jax import LLM
     return LLM(model=str(TINY_MODEL), precompile=False, show_progress=False, **kwargs)
 
 

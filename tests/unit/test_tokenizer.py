@@ -10,8 +10,8 @@ import pytest
 import tokenizers
 
 from qwen_jax.tokenizer import IncrementalDetokenizer, Tokenizer
+from tests.helpers.fixtures import QWEN3_TOKENIZER as QWEN3_DIR
 
-QWEN3_DIR = Path(__file__).resolve().parents[3] / "shared/fixtures/qwen3-tokenizer"
 IM_START, IM_END, ENDOFTEXT, THINK = 151644, 151645, 151643, 151667
 
 SYSTEM = {"role": "system", "content": "You are terse."}
@@ -53,14 +53,12 @@ MIXED_PIECES = ["Hello", " world", ",", " 你好", "世界", " 🤖", "🎉", " 
 
 @pytest.fixture(scope="module")
 def tok():
-    if not (QWEN3_DIR / "tokenizer.json").is_file():
-        pytest.skip(f"Qwen3 tokenizer fixture not found at {QWEN3_DIR}")
     return Tokenizer.from_dir(QWEN3_DIR)
 
 
 @pytest.fixture(scope="module")
 def hf_tok(tok):
-    transformers = pytest.importorskip("transformers")
+    import transformers
     return transformers.AutoTokenizer.from_pretrained(str(QWEN3_DIR))
 
 
