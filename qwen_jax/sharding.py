@@ -127,10 +127,6 @@ def tp_size(mesh) -> int:
     return 1 if mesh is None else mesh.shape["model"]
 
 
-def ep_size(mesh: Mesh | None) -> int:
-    return 1 if mesh is None else mesh.shape["expert"]
-
-
 def kv_replication(num_kv_heads: int, mesh: Mesh | None) -> int:
     """How many copies of each KV head the cache holds: TP / K when TP > K (vLLM's scheme:
     every device keeps the one KV head its query heads read), else 1."""

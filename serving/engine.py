@@ -160,7 +160,7 @@ class LLMEngine:
             for i in range(params.n):
                 child_id = request_id if params.n == 1 else f"{i}_{request_id}"
                 request = Request(request_id=child_id, prompt_token_ids=ids, sampling_params=params,
-                                  eos_token_id=None, priority=priority,
+                                  priority=priority,
                                   **({"arrival_time": arrival_time} if arrival_time else {}))
                 self.scheduler.add_request(request)
                 children.append(self._seq_state(request, request_id, i, params, ids, blocked))

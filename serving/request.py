@@ -136,12 +136,6 @@ class RequestMetrics:
     last_token_time: float | None = None
     finished_time: float | None = None
 
-    @property
-    def time_to_first_token(self) -> float | None:
-        if self.first_token_time is None:
-            return None
-        return self.first_token_time - self.arrival_time
-
 
 @dataclasses.dataclass(eq=False)
 class Request:
@@ -150,7 +144,6 @@ class Request:
     request_id: str
     prompt_token_ids: list[int]
     sampling_params: SamplingParams = dataclasses.field(default_factory=SamplingParams)
-    eos_token_id: int | None = None
     arrival_time: float = dataclasses.field(default_factory=time.monotonic)
     priority: int = 0  # lower value is served first, as in vLLM
     output_token_ids: list[int] = dataclasses.field(default_factory=list)

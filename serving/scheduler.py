@@ -68,10 +68,6 @@ class Scheduler:
         return len(self.waiting)
 
     @property
-    def num_unfinished(self) -> int:
-        return len(self.running) + len(self.waiting)
-
-    @property
     def has_unfinished(self) -> bool:
         return bool(self.running or self.waiting)
 
