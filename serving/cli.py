@@ -81,7 +81,7 @@ def _add_generate(subparsers) -> None:
 def _run_generate(args) -> int:
     import json
 
-    from qwen_jax.batch import generate_file
+    from serving.generate_file import generate_file
     from serving.cli_args import engine_kwargs
 
     sampling = {k[3:]: v for k, v in vars(args).items() if k.startswith("sp_") and v is not None}

@@ -12,10 +12,12 @@ import numpy as np
 
 from qwen_jax.config import ModelConfig
 from qwen_jax.sharding import make_mesh, tp_size
+from qwen_jax.tokenizer import Tokenizer
 from qwen_jax.weights import DEFAULT_MODEL_DIR, load_model, resolve_model_path
 from serving import distributed, kv_cache
 from serving.batch import build_model_inputs
 from serving.buckets import bucket_pairs
+from serving.detokenizer import IncrementalDetokenizer
 from serving.engine_config import EngineConfig
 from serving.kv_cache_manager import KVCacheManager
 from serving.output_processor import OutputProcessor, ParentState, SeqState
@@ -75,8 +77,7 @@ class LLMEngine:
     def _impl(self) -> str | None:
         return None if self.config.impl == "auto" else self.config.impl
 
-    def _load_tokenizer(self):
-        from qwen_jax.tokenizer import Tokenizer
+    def _load_tokenizer(self) -> Tokenizer | None:
         path = Path(self.config.tokenizer or self.model_path)
         return Tokenizer.from_dir(path) if path.is_dir() else None
 
@@ -194,7 +195,6 @@ class LLMEngine:
         seed = (base + index * 0x9E3779B9) % 2**32
         detok = None
         if self.tokenizer is not None:
-            from qwen_jax.tokenizer import IncrementalDetokenizer
             detok = IncrementalDetokenizer(
                 self.tokenizer, prompt_ids, skip_special_tokens=params.skip_special_tokens,
                 stop=list(params.stop), include_stop_str_in_output=params.include_stop_str_in_output)

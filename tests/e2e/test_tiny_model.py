@@ -10,8 +10,8 @@ import numpy as np
 import pytest
 
 from qwen_jax import tasks
-from qwen_jax.eval_tasks import (TINY_MODEL, chat_template, evaluate, generate_texts,
-                                 render_prompts)
+from serving.eval_tasks import (TINY_MODEL, chat_template, evaluate, final_answer,
+                                generate_texts, render_prompts)
 from tests.helpers.fixtures import QWEN3_TOKENIZER
 from tiny_greedy import FullForwardLLM, eos_ids, hf_greedy_ids
 
@@ -117,7 +117,7 @@ def test_addition_thinks_ones_digit_first_then_answers(full_forward):
                             chat_template(TINY_MODEL))
     (text,) = generate_texts(full_forward, prompt)
     assert text == "<think>\n2 3 4\n</think>\n\n432"
-    assert tasks.final_answer(text) == "432"
+    assert final_answer(text) == "432"
 
 
 # ---- through the engine --------------------------------------------------------------------

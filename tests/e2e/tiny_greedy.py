@@ -12,7 +12,7 @@ import numpy as np
 from flax import nnx
 from tokenizers import Tokenizer
 
-from qwen_jax.eval_tasks import MAX_ANSWER_TOKENS
+from serving.eval_tasks import MAX_ANSWER_TOKENS
 from qwen_jax.weights import load_model
 
 

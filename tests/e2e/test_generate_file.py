@@ -116,7 +116,7 @@ def test_bad_lines_are_reported_and_good_ones_complete(tmp_path, tokenizer_ckpt,
 
 
 def test_torn_tail_is_truncated_and_ids_collected(tmp_path):
-    from qwen_jax.batch import JsonlAppender
+    from serving.generate_file import JsonlAppender
     path = tmp_path / "out.jsonl"
     path.write_bytes(b'{"id": "a"}\n{"id": "b"}\n{"id": "c", "te')
     appender = JsonlAppender(path)
@@ -127,7 +127,7 @@ def test_torn_tail_is_truncated_and_ids_collected(tmp_path):
 
 
 def test_generate_file_rejects_unknown_default_sampling(tmp_path):
-    from qwen_jax.batch import generate_file
+    from serving.generate_file import generate_file
     (tmp_path / "in.jsonl").write_text("")
     with pytest.raises(ValueError, match="max_token"):
         generate_file(tmp_path / "in.jsonl", tmp_path / "out.jsonl", llm=object(),

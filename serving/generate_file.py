@@ -17,6 +17,7 @@ import zlib
 from collections.abc import Iterator
 from pathlib import Path
 
+from serving.llm import LLM
 from serving.request import RequestOutput, SamplingParams
 
 SAMPLING_FIELDS = frozenset(f.name for f in dataclasses.fields(SamplingParams))
@@ -277,7 +278,6 @@ def generate_file(input, output, *, llm=None, model: str | None = None,
     if unknown:
         raise ValueError(f"default_sampling has unknown SamplingParams field(s) {unknown}")
     if llm is None:
-        from serving.llm import LLM
         llm = LLM(model, **(engine_kwargs or {}))
     engine = llm.llm_engine
     max_in_flight = max_in_flight or 2 * engine.scheduler_config.max_num_seqs

@@ -1,0 +1,59 @@
+"""Layers point one way: pallas_kernels <- qwen_jax (the model) <- serving (the engine).
+
+The `qwen_jax` package's public names include the engine's (`from qwen_jax import LLM`);
+`qwen_jax/__init__.py` resolves them by name on first use, never by an import statement,
+so importing any module of the model leaves the engine unloaded.
+"""
+
+import ast
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+
+ROOT = Path(__file__).resolve().parents[2]
+LAYERS = ("pallas_kernels", "qwen_jax", "serving")  # each may import only those before it
+
+
+def imported_modules(path: Path) -> set[str]:
+    """Every module an import statement in the file names, at any depth (functions too)."""
+    names = set()
+    for node in ast.walk(ast.parse(path.read_text(), str(path))):
+        if isinstance(node, ast.Import):
+            names.update(alias.name for alias in node.names)
+        elif isinstance(node, ast.ImportFrom) and node.level == 0 and node.module:
+            names.add(node.module)
+            names.update(f"{node.module}.{alias.name}" for alias in node.names)
+    return names
+
+
+@pytest.mark.parametrize("layer", LAYERS[:-1])
+def test_no_module_imports_a_layer_above_its_own(layer):
+    above = LAYERS[LAYERS.index(layer) + 1:]
+    offending = {
+        str(path.relative_to(ROOT)): sorted(m for m in imported_modules(path)
+                                            if m.split(".")[0] in above)
+        for path in sorted((ROOT / layer).rglob("*.py"))}
+    assert {path: mods for path, mods in offending.items() if mods} == {}
+
+
+def test_importing_every_model_module_loads_no_engine_module():
+    code = """
+import importlib, pkgutil, sys
+import qwen_jax
+for info in pkgutil.walk_packages(qwen_jax.__path__, "qwen_jax."):
+    importlib.import_module(info.name)
+print(sorted(m for m in sys.modules if m.split(".")[0] == "serving"))
+"""
+    result = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True,
+                            check=True, cwd=ROOT)
+    assert result.stdout.strip() == "[]"
+
+
+def test_the_public_names_still_include_the_engine():
+    import qwen_jax
+    from serving.llm import LLM
+    from serving.request import SamplingParams
+    assert qwen_jax.LLM is LLM and qwen_jax.SamplingParams is SamplingParams
+    assert {"LLM", "AsyncLLM", "SamplingParams", "Qwen3ForCausalLM"} <= set(qwen_jax.__all__)
