@@ -8,7 +8,7 @@ import numpy as np
 from flax import nnx
 
 import pallas_kernels
-from qwen_jax import sharding
+from qwen_jax import sharding, weights
 from qwen_jax.attention import Attention, AttentionMetadata
 from qwen_jax.config import ModelConfig
 from qwen_jax.layers import RMSNorm, Runtime, init_param
@@ -131,12 +131,14 @@ class Qwen3ForCausalLM(nnx.Module):
 
     @classmethod
     def from_pretrained(cls, path, dtype="float32", *, impl: str | None = None,
-                        load_format: str = "auto", mesh=None) -> "Qwen3ForCausalLM":
+                        load_format: str = "auto", mesh=None, seed: int = 0
+                        ) -> "Qwen3ForCausalLM":
         """Load an HF safetensors checkpoint, an orbax checkpoint written by
-        `qwen-jax convert`, or (load_format="dummy" or a preset name) random weights;
-        with a `mesh` (qwen_jax.sharding.make_mesh) every weight lands in its shards."""
-        from qwen_jax.weights import load_model
-        return load_model(path, dtype=dtype, impl=impl, load_format=load_format, mesh=mesh)
+        `qwen-jax convert`, or (load_format="dummy" or a preset name) random weights drawn
+        from `seed`; with a `mesh` (qwen_jax.sharding.make_mesh) every weight lands in its
+        shards."""
+        return weights.load_model(path, dtype, model_cls=cls, impl=impl,
+                                  load_format=load_format, seed=seed, mesh=mesh)
 
 
 def contiguous_metadata(batch: int, seq_len: int, page_size: int):

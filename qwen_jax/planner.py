@@ -6,10 +6,13 @@ from __future__ import annotations
 import dataclasses
 import math
 
+import jax
 import numpy as np
 from flax import nnx
 
 from qwen_jax.config import ModelConfig
+from qwen_jax.model import Qwen3ForCausalLM
+from qwen_jax.params import abstract_model, resolve_dtype
 from qwen_jax.sharding import kv_replication, param_logical_axes, spec_for
 
 
@@ -48,12 +51,19 @@ def _itemsize(dtype) -> int:
     return np.dtype(dtype).itemsize
 
 
+def _abstract_params(cfg: ModelConfig, dtype="float32") -> nnx.State:
+    return nnx.state(abstract_model(cfg, dtype, model_cls=Qwen3ForCausalLM), nnx.Param)
+
+
+def param_count(cfg: ModelConfig) -> int:
+    return sum(math.prod(x.shape) for x in jax.tree.leaves(_abstract_params(cfg)))
+
+
 def weight_bytes_per_device(cfg: ModelConfig, dtype, tp: int, ep: int) -> int:
     """Bytes of the largest shard set one device holds, from abstract shapes alone."""
-    from qwen_jax.weights import abstract_model
     mesh = _MeshShape({"data": 1, "expert": ep, "model": tp})
     total = 0
-    for path, var in nnx.to_flat_state(nnx.state(abstract_model(cfg, dtype), nnx.Param)):
+    for path, var in nnx.to_flat_state(_abstract_params(cfg, dtype)):
         shape = var.get_value().shape
         spec = spec_for(param_logical_axes(path), shape, mesh, cfg.num_key_value_heads)
         factor = math.prod(mesh.shape[a] for a in spec if a is not None)
@@ -66,7 +76,6 @@ def plan_memory(cfg: ModelConfig, *, dtype="bfloat16", tensor_parallel_size: int
                 gpu_memory_utilization: float = 0.9, block_size: int = 16,
                 kv_cache_dtype=None) -> MemoryPlan:
     """Raise ValueError (with the numbers) when the weights leave no room for the cache."""
-    from qwen_jax.weights import resolve_dtype
     dtype = resolve_dtype(dtype)
     tp, ep = tensor_parallel_size, expert_parallel_size
     weights = weight_bytes_per_device(cfg, dtype, tp, ep)

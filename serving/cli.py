@@ -31,10 +31,11 @@ def _run_convert(args) -> int:
     from pathlib import Path
 
     from qwen_jax import checkpoint
-    from qwen_jax.weights import load_model, param_count
+    from qwen_jax.model import Qwen3ForCausalLM
+    from qwen_jax.planner import param_count
 
     start = time.perf_counter()
-    model = load_model(args.model, dtype=args.dtype, load_format="auto")
+    model = Qwen3ForCausalLM.from_pretrained(args.model, args.dtype)
     source_dir = args.model if Path(args.model).is_dir() else None
     out = checkpoint.save(model, args.output, source_dir=source_dir)
     seconds = time.perf_counter() - start

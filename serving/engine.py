@@ -11,9 +11,10 @@ import jax
 import numpy as np
 
 from qwen_jax.config import ModelConfig
+from qwen_jax.model import Qwen3ForCausalLM
 from qwen_jax.sharding import make_mesh, tp_size
 from qwen_jax.tokenizer import Tokenizer
-from qwen_jax.weights import DEFAULT_MODEL_DIR, load_model, resolve_model_path
+from qwen_jax.weights import DEFAULT_MODEL_DIR, resolve_model_path
 from serving import distributed, kv_cache
 from serving.batch import build_model_inputs
 from serving.buckets import bucket_pairs
@@ -41,8 +42,9 @@ class LLMEngine:
         started = time.perf_counter()
         self.model_path = resolve_model_path(config.model or DEFAULT_MODEL_DIR)
         self.mesh = self._make_mesh(devices)
-        self.model = load_model(self.model_path, dtype=self._dtype(), impl=self._impl(),
-                                load_format=config.load_format, seed=config.seed, mesh=self.mesh)
+        self.model = Qwen3ForCausalLM.from_pretrained(
+            self.model_path, self._dtype(), impl=self._impl(), load_format=config.load_format,
+            seed=config.seed, mesh=self.mesh)
         self.load_seconds = time.perf_counter() - started
         self.model_config = self.model.config
         self.tokenizer = self._load_tokenizer()

@@ -1,4 +1,6 @@
-"""Layers point one way: pallas_kernels <- qwen_jax (the model) <- serving (the engine).
+"""Layers point one way: pallas_kernels <- qwen_jax (the model) <- serving (the engine),
+and no two modules import each other, however indirectly (a lazy import inside a function
+counts too).
 
 The `qwen_jax` package's public names include the engine's (`from qwen_jax import LLM`);
 `qwen_jax/__init__.py` resolves them by name on first use, never by an import statement,
@@ -57,3 +59,52 @@ def test_the_public_names_still_include_the_engine():
     from serving.request import SamplingParams
     assert qwen_jax.LLM is LLM and qwen_jax.SamplingParams is SamplingParams
     assert {"LLM", "AsyncLLM", "SamplingParams", "Qwen3ForCausalLM"} <= set(qwen_jax.__all__)
+
+
+def project_modules() -> dict[str, Path]:
+    modules = {}
+    for layer in LAYERS:
+        for path in (ROOT / layer).rglob("*.py"):
+            parts = path.relative_to(ROOT).with_suffix("").parts
+            modules[".".join(parts[:-1] if parts[-1] == "__init__" else parts)] = path
+    return modules
+
+
+def import_cycle(graph: dict[str, set[str]]) -> list[str] | None:
+    """One cycle of the directed graph as a list of modules, or None."""
+    state: dict[str, str] = {}  # "open" while on the DFS stack, then "done"
+
+    def visit(node: str, stack: list[str]) -> list[str] | None:
+        state[node] = "open"
+        for dep in sorted(graph[node]):
+            if state.get(dep) == "open":
+                return stack[stack.index(dep):] + [dep]
+            if dep not in state and (cycle := visit(dep, stack + [dep])):
+                return cycle
+        state[node] = "done"
+        return None
+
+    for node in sorted(graph):
+        if node not in state and (cycle := visit(node, [node])):
+            return cycle
+    return None
+
+
+def test_project_modules_import_each_other_without_cycles():
+    modules = project_modules()
+    # A package's own submodules may import it (its __init__ runs first anyway).
+    graph = {name: {m for m in imported_modules(path) if m in modules
+                    and not name.startswith(m + ".") and m != name}
+             for name, path in modules.items()}
+    assert import_cycle(graph) is None
+
+
+def test_the_cycle_finder_finds_cycles():
+    assert import_cycle({"a": {"b"}, "b": {"c"}, "c": {"a"}}) == ["a", "b", "c", "a"]
+    assert import_cycle({"a": {"b"}, "b": set(), "c": {"a", "b"}}) is None
+
+
+def test_imports_inside_functions_are_seen(tmp_path):
+    module = tmp_path / "m.py"
+    module.write_text("import os\n\ndef f():\n    from qwen_jax.weights import load_model\n")
+    assert imported_modules(module) == {"os", "qwen_jax.weights", "qwen_jax.weights.load_model"}
