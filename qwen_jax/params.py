@@ -12,17 +12,25 @@ import jax.numpy as jnp
 from flax import nnx
 
 from qwen_jax.config import ModelConfig
+from qwen_jax.options import KV_CACHE_DTYPES, PARAM_DTYPES
 
-_DTYPES = {"float32": jnp.float32, "bfloat16": jnp.bfloat16, "float16": jnp.float16}
 
-
-def resolve_dtype(dtype) -> jnp.dtype:
+def resolve_dtype(dtype):
     """A parameter dtype from its name ("bfloat16") or any jnp/numpy dtype."""
     if isinstance(dtype, str):
-        if dtype not in _DTYPES:
-            raise ValueError(f"dtype must be one of {', '.join(_DTYPES)}, got {dtype!r}")
-        return _DTYPES[dtype]
+        if dtype not in PARAM_DTYPES:
+            raise ValueError(f"dtype must be one of {', '.join(PARAM_DTYPES)}, got {dtype!r}")
+        return getattr(jnp, dtype)
     return jnp.dtype(dtype)
+
+
+def resolve_kv_cache_dtype(name: str, model_dtype):
+    """The KV cache's dtype from its option name; "auto" is the model's."""
+    if name not in KV_CACHE_DTYPES:
+        raise ValueError(f"kv_cache_dtype must be one of {', '.join(KV_CACHE_DTYPES)}, "
+                         f"got {name!r}")
+    dtype_name = KV_CACHE_DTYPES[name]
+    return model_dtype if dtype_name is None else getattr(jnp, dtype_name)
 
 
 def abstract_model(cfg: ModelConfig, dtype=jnp.float32, impl=None, mesh=None, *, model_cls):

@@ -51,6 +51,16 @@ def _itemsize(dtype) -> int:
     return np.dtype(dtype).itemsize
 
 
+def kv_bytes_per_page(cfg: ModelConfig, page_size: int, dtype,
+                      tensor_parallel_size: int = 1) -> int:
+    """K and V of every layer for one page of `page_size` tokens, on one device: its share
+    of the cache's heads (K / TP, or one copy of a head when TP > K)."""
+    tp = tensor_parallel_size
+    heads = cfg.num_key_value_heads * kv_replication(cfg.num_key_value_heads,
+                                                    _MeshShape({"model": tp})) // tp
+    return 2 * cfg.num_hidden_layers * page_size * max(heads, 1) * cfg.head_dim * _itemsize(dtype)
+
+
 def _abstract_params(cfg: ModelConfig, dtype="float32") -> nnx.State:
     return nnx.state(abstract_model(cfg, dtype, model_cls=Qwen3ForCausalLM), nnx.Param)
 
@@ -80,10 +90,7 @@ def plan_memory(cfg: ModelConfig, *, dtype="bfloat16", tensor_parallel_size: int
     tp, ep = tensor_parallel_size, expert_parallel_size
     weights = weight_bytes_per_device(cfg, dtype, tp, ep)
     usable = int(device_memory_bytes * gpu_memory_utilization)
-    heads = cfg.num_key_value_heads * kv_replication(cfg.num_key_value_heads,
-                                                    _MeshShape({"model": tp})) // tp
-    per_page = (2 * cfg.num_hidden_layers * block_size * max(heads, 1) * cfg.head_dim
-                * _itemsize(kv_cache_dtype or dtype))
+    per_page = kv_bytes_per_page(cfg, block_size, kv_cache_dtype or dtype, tp)
     num_pages = (usable - weights) // per_page
     if num_pages < 1:
         raise ValueError(

@@ -22,6 +22,7 @@ from jax.sharding import PartitionSpec as P
 from qwen_jax import checkpoint, sharding
 from qwen_jax.config import PRESET_DIR, ModelConfig
 from qwen_jax.layers import INIT_STD
+from qwen_jax.options import LOAD_FORMATS
 from qwen_jax.params import abstract_model, init_buffers, resolve_dtype
 from qwen_jax.safetensors_io import CheckpointReader
 
@@ -55,8 +56,8 @@ def load_model(model, dtype="float32", *, model_cls, impl=None, load_format="aut
     path = resolve_model_path(model)
     cfg = ModelConfig.from_hf(path)
     dtype = resolve_dtype(dtype)
-    if load_format not in ("auto", "dummy", "safetensors", "orbax"):
-        raise ValueError(f"load_format must be auto, dummy, safetensors or orbax, "
+    if load_format not in LOAD_FORMATS:
+        raise ValueError(f"load_format must be one of {', '.join(LOAD_FORMATS)}, "
                          f"got {load_format!r}")
     if load_format == "dummy" or path.is_file():
         return init_dummy(cfg, dtype, model_cls=model_cls, impl=impl, seed=seed, mesh=mesh)

@@ -11,7 +11,7 @@ import argparse
 import sys
 import time
 
-DTYPES = ("float32", "bfloat16", "float16")
+from qwen_jax.options import PARAM_DTYPES
 
 
 # ---- convert ---------------------------------------------------------------------------
@@ -22,7 +22,7 @@ def _add_convert(subparsers) -> None:
                     "and save its params with orbax, plus config.json and tokenizer files.")
     p.add_argument("--model", required=True, help="HF checkpoint directory or preset name")
     p.add_argument("--output", required=True, help="directory to write the orbax checkpoint to")
-    p.add_argument("--dtype", default="float32", choices=DTYPES,
+    p.add_argument("--dtype", default="float32", choices=PARAM_DTYPES,
                    help="parameter dtype of the saved checkpoint (default: float32)")
     p.set_defaults(func=_run_convert)
 
@@ -169,7 +169,7 @@ def _add_plan(subparsers) -> None:
     p = subparsers.add_parser(
         "plan", help="memory plan: per-device weights, KV pages and tokens for a layout")
     p.add_argument("--model", required=True, help="checkpoint directory or preset name")
-    p.add_argument("--dtype", default="bfloat16", choices=DTYPES)
+    p.add_argument("--dtype", default="bfloat16", choices=PARAM_DTYPES)
     p.add_argument("--tensor-parallel-size", "-tp", type=int, default=1)
     p.add_argument("--expert-parallel-size", "-ep", type=int, default=1)
     p.add_argument("--device-memory-gb", type=float, default=141.0,

@@ -5,10 +5,9 @@ from __future__ import annotations
 import dataclasses
 import functools
 
-from serving.buckets import (MIN_SEQ_BUCKET, MIN_TOKEN_BUCKET, make_buckets)
+from qwen_jax.options import KV_CACHE_DTYPES
+from serving.buckets import MIN_SEQ_BUCKET, MIN_TOKEN_BUCKET, make_buckets
 
-KV_CACHE_DTYPES = ("auto", "bfloat16", "float16", "float32", "fp8", "fp8_e4m3",
-                   "fp8_e5m2", "int8")
 POLICIES = ("fcfs", "priority")
 
 
@@ -45,7 +44,8 @@ class CacheConfig:
         _require(0 < self.gpu_memory_utilization <= 1,
                  f"gpu_memory_utilization must be in (0, 1], got {self.gpu_memory_utilization}")
         _require(self.kv_cache_dtype in KV_CACHE_DTYPES,
-                 f"kv_cache_dtype must be one of {KV_CACHE_DTYPES}, got {self.kv_cache_dtype!r}")
+                 f"kv_cache_dtype must be one of {tuple(KV_CACHE_DTYPES)}, "
+                 f"got {self.kv_cache_dtype!r}")
         _require(self.swap_space >= 0, f"swap_space must be >= 0, got {self.swap_space}")
 
 

@@ -12,6 +12,8 @@ import numpy as np
 
 from qwen_jax.config import ModelConfig
 from qwen_jax.model import Qwen3ForCausalLM
+from qwen_jax.params import resolve_kv_cache_dtype
+from qwen_jax.planner import kv_bytes_per_page
 from qwen_jax.sharding import make_mesh, tp_size
 from qwen_jax.tokenizer import Tokenizer
 from qwen_jax.weights import DEFAULT_MODEL_DIR, resolve_model_path
@@ -96,11 +98,10 @@ class LLMEngine:
                 f"max_position_embeddings={self.model_config.max_position_embeddings}")
         self.block_size = cache.block_size
         self.pages_per_seq = sched.pages_per_seq(cache.block_size)
-        dtype = kv_cache.kv_cache_dtype(cache.kv_cache_dtype, self.model.dtype)
+        dtype = resolve_kv_cache_dtype(cache.kv_cache_dtype, self.model.dtype)
         max_pages = 1 + sched.max_num_seqs * self.pages_per_seq
-        heads = self.model.num_cache_kv_heads // tp_size(self.mesh)  # per device
-        self.bytes_per_page = kv_cache.bytes_per_page(self.model_config, cache.block_size, dtype,
-                                                      heads)
+        self.bytes_per_page = kv_bytes_per_page(self.model_config, cache.block_size, dtype,
+                                                tp_size(self.mesh))
         self.num_pages = kv_cache.num_pages_to_allocate(cache, self.bytes_per_page, max_pages)
         caches = kv_cache.allocate(self.model, self.num_pages, cache.block_size, dtype)
         self.kv_manager = KVCacheManager(self.num_pages, cache.block_size,

@@ -4,12 +4,13 @@ from __future__ import annotations
 
 import dataclasses
 
+import pallas_kernels
+from qwen_jax.options import LOAD_FORMATS, PARAM_DTYPES
 from qwen_jax.sharding import ParallelConfig
 from serving.config import CacheConfig, SchedulerConfig, _require
 
-DTYPES = ("auto", "float32", "bfloat16", "float16")
-IMPLS = ("auto", "pallas", "reference")
-LOAD_FORMATS = ("auto", "dummy", "safetensors", "orbax")
+DTYPES = ("auto", *PARAM_DTYPES)  # auto: float32 on CPU, bfloat16 on GPU
+IMPLS = ("auto", *pallas_kernels.IMPLS)  # auto: pallas on GPU, reference elsewhere
 
 
 @dataclasses.dataclass(frozen=True, kw_only=True)
