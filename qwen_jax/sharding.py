@@ -14,6 +14,8 @@ import jax
 import numpy as np
 from jax.sharding import AxisType, Mesh, NamedSharding, PartitionSpec
 
+from qwen_jax.validation import require
+
 logger = logging.getLogger(__name__)
 
 MESH_AXES = ("data", "expert", "model")
@@ -70,8 +72,7 @@ class ParallelConfig:
 
     def __post_init__(self):
         for name in ("tensor_parallel_size", "expert_parallel_size", "data_parallel_size"):
-            if getattr(self, name) < 1:
-                raise ValueError(f"{name} must be >= 1, got {getattr(self, name)}")
+            require(getattr(self, name) >= 1, name, getattr(self, name), ">= 1")
 
     @property
     def replica_size(self) -> int:

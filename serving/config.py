@@ -6,23 +6,20 @@ import dataclasses
 import functools
 
 from qwen_jax.options import KV_CACHE_DTYPES
+from qwen_jax.validation import require
 from serving.buckets import MIN_SEQ_BUCKET, MIN_TOKEN_BUCKET, make_buckets
 
 POLICIES = ("fcfs", "priority")
-
-
-def _require(ok: bool, message: str) -> None:
-    if not ok:
-        raise ValueError(message)
 
 
 def _normalise_buckets(name: str, buckets, limit_name: str, limit: int) -> tuple[int, ...] | None:
     if buckets is None:
         return None
     sizes = tuple(sorted(set(int(b) for b in buckets)))
-    _require(len(sizes) > 0 and sizes[0] >= 1, f"{name} must be positive ints, got {buckets!r}")
-    _require(sizes[-1] >= limit,
-             f"{name} must include a bucket >= {limit_name}={limit}, got max {sizes[-1]}")
+    require(len(sizes) > 0 and sizes[0] >= 1, name, buckets, "positive ints")
+    if sizes[-1] < limit:  # names the largest bucket rather than them all
+        raise ValueError(f"{name} must include a bucket >= {limit_name}={limit}, "
+                         f"got max {sizes[-1]}")
     return sizes
 
 
@@ -36,17 +33,16 @@ class CacheConfig:
     swap_space: float = 0  # GiB of host memory for swapped-out pages; 0 = recompute
 
     def __post_init__(self) -> None:
-        _require(self.block_size >= 1 and self.block_size & (self.block_size - 1) == 0,
-                 f"block_size must be a power of two >= 1, got {self.block_size}")
-        _require(self.num_gpu_blocks_override is None or self.num_gpu_blocks_override >= 2,
-                 "num_gpu_blocks_override must be >= 2 (page 0 is reserved) or None, "
-                 f"got {self.num_gpu_blocks_override}")
-        _require(0 < self.gpu_memory_utilization <= 1,
-                 f"gpu_memory_utilization must be in (0, 1], got {self.gpu_memory_utilization}")
-        _require(self.kv_cache_dtype in KV_CACHE_DTYPES,
-                 f"kv_cache_dtype must be one of {tuple(KV_CACHE_DTYPES)}, "
-                 f"got {self.kv_cache_dtype!r}")
-        _require(self.swap_space >= 0, f"swap_space must be >= 0, got {self.swap_space}")
+        require(self.block_size >= 1 and self.block_size & (self.block_size - 1) == 0,
+                "block_size", self.block_size, "a power of two >= 1")
+        require(self.num_gpu_blocks_override is None or self.num_gpu_blocks_override >= 2,
+                "num_gpu_blocks_override", self.num_gpu_blocks_override,
+                ">= 2 (page 0 is reserved) or None")
+        require(0 < self.gpu_memory_utilization <= 1, "gpu_memory_utilization",
+                self.gpu_memory_utilization, "in (0, 1]")
+        require(self.kv_cache_dtype in KV_CACHE_DTYPES, "kv_cache_dtype", self.kv_cache_dtype,
+                f"one of {tuple(KV_CACHE_DTYPES)}")
+        require(self.swap_space >= 0, "swap_space", self.swap_space, ">= 0")
 
 
 @dataclasses.dataclass(frozen=True, kw_only=True)
@@ -61,17 +57,15 @@ class SchedulerConfig:
     seq_buckets: tuple[int, ...] | None = None
 
     def __post_init__(self) -> None:
-        _require(self.max_num_seqs >= 1, f"max_num_seqs must be >= 1, got {self.max_num_seqs}")
-        _require(self.max_num_batched_tokens >= self.max_num_seqs,
-                 f"max_num_batched_tokens must be >= max_num_seqs={self.max_num_seqs}, "
-                 f"got {self.max_num_batched_tokens}")
-        _require(self.max_model_len is None or self.max_model_len >= 1,
-                 f"max_model_len must be >= 1, got {self.max_model_len}")
-        _require(0 <= self.watermark < 1, f"watermark must be in [0, 1), got {self.watermark}")
-        _require(self.policy in POLICIES,
-                 f"policy must be one of {POLICIES}, got {self.policy!r}")
-        _require(self.max_waiting is None or self.max_waiting >= 1,
-                 f"max_waiting must be >= 1 or None, got {self.max_waiting}")
+        require(self.max_num_seqs >= 1, "max_num_seqs", self.max_num_seqs, ">= 1")
+        require(self.max_num_batched_tokens >= self.max_num_seqs, "max_num_batched_tokens",
+                self.max_num_batched_tokens, f">= max_num_seqs={self.max_num_seqs}")
+        require(self.max_model_len is None or self.max_model_len >= 1, "max_model_len",
+                self.max_model_len, ">= 1")
+        require(0 <= self.watermark < 1, "watermark", self.watermark, "in [0, 1)")
+        require(self.policy in POLICIES, "policy", self.policy, f"one of {POLICIES}")
+        require(self.max_waiting is None or self.max_waiting >= 1, "max_waiting",
+                self.max_waiting, ">= 1 or None")
         object.__setattr__(self, "token_buckets", _normalise_buckets(
             "token_buckets", self.token_buckets, "max_num_batched_tokens",
             self.max_num_batched_tokens))
@@ -94,6 +88,7 @@ class SchedulerConfig:
 
     def pages_per_seq(self, block_size: int) -> int:
         """Static page-table width: enough pages for max_model_len tokens."""
-        _require(self.max_model_len is not None, "max_model_len is not resolved yet")
+        if self.max_model_len is None:
+            raise ValueError("max_model_len is not resolved yet (the engine sets it)")
         return -(-self.max_model_len // block_size)
 

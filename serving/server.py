@@ -17,6 +17,7 @@ from pathlib import Path
 
 from aiohttp import web
 
+from qwen_jax.validation import require
 from serving import openai_protocol as proto
 from serving.metrics import CONTENT_TYPE, Metrics
 from serving.openai_protocol import APIError
@@ -42,12 +43,10 @@ class ServerConfig:
     reasoning_parser: str | None = None  # e.g. "qwen3": chat replies split out reasoning_content
 
     def __post_init__(self) -> None:
-        if not 0 <= self.port <= 65535:
-            raise ValueError(f"port must be in [0, 65535], got {self.port}")
-        if self.max_request_body_mb <= 0:
-            raise ValueError(f"max_request_body_mb must be > 0, got {self.max_request_body_mb}")
-        if self.shutdown_timeout < 0:
-            raise ValueError(f"shutdown_timeout must be >= 0, got {self.shutdown_timeout}")
+        require(0 <= self.port <= 65535, "port", self.port, "in [0, 65535]")
+        require(self.max_request_body_mb > 0, "max_request_body_mb", self.max_request_body_mb,
+                "> 0")
+        require(self.shutdown_timeout >= 0, "shutdown_timeout", self.shutdown_timeout, ">= 0")
         if self.reasoning_parser is not None:
             reasoning_parser_class(self.reasoning_parser)
 
