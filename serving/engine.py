@@ -148,26 +148,25 @@ class LLMEngine:
         """Queue a request. `stream=False` makes `step` return its output only once it
         has finished (no per-token output objects: what offline generation needs)."""
         params = sampling_params or SamplingParams()
+        # Request ids, not sequence ids: a request's first sample can finish (and leave the
+        # scheduler) while its others run, so the scheduler's own check cannot cover them.
         if request_id in self._parents:
             raise ValueError(f"request_id {request_id!r} is already in use")
         text, ids = self.tokenize_prompt(prompt)
-        if not ids:
-            raise ValueError("prompt must contain at least one token, got an empty prompt")
-        if len(ids) > self.max_model_len:
-            raise ValueError(f"prompt has {len(ids)} tokens, more than "
-                             f"max_model_len={self.max_model_len}")
         blocked = self._blocked_ids(params)
-        prompt_lps = (None if params.prompt_logprobs is None
-                      else self._prompt_logprobs(ids, params.prompt_logprobs))
         children = []
         try:
             for i in range(params.n):
                 child_id = request_id if params.n == 1 else f"{i}_{request_id}"
+                # Request checks the prompt is non-empty; the scheduler checks its length
+                # and that the cache can ever hold it (before prompt logprobs are computed).
                 request = Request(request_id=child_id, prompt_token_ids=ids, sampling_params=params,
                                   priority=priority,
                                   **({"arrival_time": arrival_time} if arrival_time else {}))
                 self.scheduler.add_request(request)
                 children.append(self._seq_state(request, request_id, i, params, ids, blocked))
+            prompt_lps = (None if params.prompt_logprobs is None
+                          else self._prompt_logprobs(ids, params.prompt_logprobs))
         except Exception:
             for child in children:
                 self.scheduler.abort(child.request.request_id)
