@@ -19,6 +19,8 @@ from serving.scheduler import SchedulerOutput
 
 @dataclasses.dataclass
 class ModelInputs:
+    """One padded step's host arrays (serving/runner.StepInputs carries them to the step)."""
+
     token_ids: np.ndarray  # int32[T]
     positions: np.ndarray  # int32[T]
     slot_mapping: np.ndarray  # int32[T]: page_id * block_size + offset; padding -> 0
@@ -40,11 +42,6 @@ class ModelInputs:
     @property
     def bucket(self) -> tuple[int, int]:
         return self.padded_num_tokens, self.padded_num_seqs
-
-    def arrays(self) -> dict[str, np.ndarray]:
-        """The device-bound fields (everything but the host-side token count)."""
-        return {f.name: getattr(self, f.name) for f in dataclasses.fields(self)
-                if f.name != "num_tokens"}
 
 
 def build_model_inputs(scheduler_output: SchedulerOutput, token_buckets: Sequence[int],

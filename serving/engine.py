@@ -25,8 +25,9 @@ from serving.engine_config import EngineConfig
 from serving.kv_cache_manager import KVCacheManager
 from serving.output_processor import OutputProcessor, ParentState, SeqState
 from serving.request import Request, RequestOutput, SamplingParams
-from serving.runner import ModelRunner, default_compilation_cache_dir, enable_compilation_cache
-from serving.sampler import NUM_BLOCKED, build_sampling_arrays, uses_penalties
+from serving.runner import (ModelRunner, StepInputs, default_compilation_cache_dir,
+                            enable_compilation_cache)
+from serving.sampler import NUM_BLOCKED, SamplingEntry, build_sampling_arrays, uses_penalties
 from serving.scheduler import Scheduler
 
 logger = logging.getLogger(__name__)
@@ -226,18 +227,19 @@ class LLMEngine:
         out = self.scheduler.schedule()
         if out.is_empty:
             return []
-        inputs = build_model_inputs(out, self.scheduler_config.token_bucket_sizes,
-                                    self.scheduler_config.seq_bucket_sizes, self.block_size,
-                                    self.pages_per_seq)
+        batch = build_model_inputs(out, self.scheduler_config.token_bucket_sizes,
+                                   self.scheduler_config.seq_bucket_sizes, self.block_size,
+                                   self.pages_per_seq)
         sampling = build_sampling_arrays(
-            [self._sampling_entry(s.request) for s in out.scheduled], inputs.padded_num_seqs,
+            [self._sampling_entry(s.request) for s in out.scheduled], batch.padded_num_seqs,
             self.max_model_len)
+        inputs = StepInputs.from_batch(batch)
         if distributed.is_multiprocess():
             distributed.publish_step(inputs, sampling)
         started = time.perf_counter()
         result = self.runner.execute(inputs, sampling)
-        self.last_step = {"num_tokens": inputs.num_tokens, "num_seqs": out.num_seqs,
-                          "bucket": inputs.bucket, "seconds": time.perf_counter() - started,
+        self.last_step = {"num_tokens": batch.num_tokens, "num_seqs": out.num_seqs,
+                          "bucket": batch.bucket, "seconds": time.perf_counter() - started,
                           "num_preempted": len(out.preempted)}
         self.scheduler.update_after_step(out)
         touched: dict[str, ParentState] = {}
@@ -246,7 +248,7 @@ class LLMEngine:
             seq = self._seqs.get(request.request_id)
             if not scheduled.samples or seq is None or request.is_finished:
                 continue
-            status = self.output_processor.append(seq, int(result["token"][row]), result, row,
+            status = self.output_processor.append(seq, result, row,
                                                   self.scheduler.is_length_capped)
             if status is not None:
                 self.scheduler.finish(request.request_id, status)
@@ -254,13 +256,13 @@ class LLMEngine:
         return [self._emit(parent) for parent in touched.values()
                 if parent.stream or parent.finished]
 
-    def _sampling_entry(self, request: Request):
+    def _sampling_entry(self, request: Request) -> SamplingEntry:
         seq = self._seqs[request.request_id]
         params = request.sampling_params
         blocked = seq.blocked_ids if request.num_output_tokens < params.min_tokens else ()
         tokens = request.all_token_ids if uses_penalties(params) else None
-        return (params, seq.seed, request.num_output_tokens, blocked, tokens,
-                request.num_prompt_tokens)
+        return SamplingEntry(params, seq.seed, request.num_output_tokens, blocked, tokens,
+                             request.num_prompt_tokens)
 
     def _emit(self, parent: ParentState) -> RequestOutput:
         output = self.output_processor.request_output(parent)

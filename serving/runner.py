@@ -4,6 +4,7 @@ sampling. One executable per (token bucket, sequence bucket); the KV cache is do
 from __future__ import annotations
 
 import concurrent.futures
+import dataclasses
 import logging
 import os
 import time
@@ -17,9 +18,36 @@ from flax import nnx
 from qwen_jax.attention import AttentionMetadata
 from qwen_jax.sharding import replicated
 from serving.batch import ModelInputs
-from serving.sampler import NUM_TOP_LOGPROBS, SamplingArrays, build_sampling_arrays, sample
+from serving.sampler import (SamplerOutput, SamplingArrays, TokenLogprobs, build_sampling_arrays,
+                             sample, token_logprobs)
 
 logger = logging.getLogger(__name__)
+
+
+@jax.tree_util.register_dataclass
+@dataclasses.dataclass(frozen=True)
+class StepInputs:
+    """The jitted step's argument: one padded batch as the model reads it. Host numpy
+    arrays until the step (or the multi-host broadcast) moves them to the devices."""
+
+    token_ids: jax.Array  # int32[T]
+    positions: jax.Array  # int32[T]
+    logits_index: jax.Array  # int32[S]: flat index of each sequence's last token
+    attention: AttentionMetadata
+
+    @classmethod
+    def from_batch(cls, batch: ModelInputs) -> StepInputs:
+        return cls(token_ids=batch.token_ids, positions=batch.positions,
+                   logits_index=batch.logits_index,
+                   attention=AttentionMetadata(
+                       slot_mapping=batch.slot_mapping, query_start=batch.query_start,
+                       kv_lens=batch.kv_lens, page_table=batch.page_table,
+                       num_seqs=batch.num_seqs))
+
+    @property
+    def bucket(self) -> tuple[int, int]:
+        """(T, S): the compiled step this batch runs."""
+        return self.token_ids.shape[0], self.logits_index.shape[0]
 
 
 def default_compilation_cache_dir() -> str:
@@ -61,23 +89,20 @@ class ModelRunner:
         power-of-two prompt length the first time a request asks for prompt_logprobs."""
         return len(self._executables) + len(self._scorers)
 
-    def _step_impl(self, state, kv_caches, inputs: dict, sampling: SamplingArrays):
+    def _step_impl(self, state, kv_caches, inputs: StepInputs, sampling: SamplingArrays):
         model = nnx.merge(self.graphdef, state)
-        meta = AttentionMetadata(
-            slot_mapping=inputs["slot_mapping"], query_start=inputs["query_start"],
-            kv_lens=inputs["kv_lens"], page_table=inputs["page_table"],
-            num_seqs=inputs["num_seqs"])
-        hidden, kv_caches = model.forward(inputs["token_ids"], inputs["positions"], kv_caches, meta)
-        logits = model.compute_logits(hidden[inputs["logits_index"]])  # [S, V] f32
+        hidden, kv_caches = model.forward(inputs.token_ids, inputs.positions, kv_caches,
+                                          inputs.attention)
+        logits = model.compute_logits(hidden[inputs.logits_index])  # [S, V] f32
         return kv_caches, sample(logits, sampling)
 
-    def execute(self, inputs: ModelInputs, sampling: SamplingArrays) -> dict[str, np.ndarray]:
-        """Run one step; returns host arrays (token, logprob, rank, top_ids, top_logprobs)."""
-        arrays = (inputs.arrays(), sampling)
+    def execute(self, inputs: StepInputs, sampling: SamplingArrays) -> SamplerOutput:
+        """Run one step; returns its sampled tokens and logprobs as host arrays."""
+        args = (inputs, sampling)
         if self._inputs_sharding is not None:
-            arrays = jax.tree.map(self._replicate, arrays)
+            args = jax.tree.map(self._replicate, args)
         step = self._executables.get(inputs.bucket) or self._compile([inputs.bucket])[0]
-        self.kv_caches, out = step(self.state, self.kv_caches, *arrays)
+        self.kv_caches, out = step(self.state, self.kv_caches, *args)
         return jax.device_get(out)
 
     def _replicate(self, host: np.ndarray) -> jax.Array:
@@ -87,10 +112,10 @@ class ModelRunner:
         return jax.make_array_from_callback(host.shape, self._inputs_sharding,
                                             lambda index: host[index])
 
-    def score_prompt(self, token_ids: list[int]) -> dict[str, np.ndarray]:
+    def score_prompt(self, token_ids: list[int]) -> TokenLogprobs:
         """Logprobs of each prompt token given its prefix (vLLM's prompt_logprobs), from a
         full-sequence forward padded to a power of two (compiled once per length bucket).
-        Returns host arrays for positions 1..n-1: logprob, rank, top_ids, top_logprobs."""
+        Returns host arrays with a row for each of positions 1..n-1."""
         num = len(token_ids)
         padded = max(16, 1 << (num - 1).bit_length())
         ids = np.zeros((1, padded), np.int32)
@@ -98,20 +123,16 @@ class ModelRunner:
         if padded not in self._scorers:
             self._scorers[padded] = jax.jit(self._score_impl)
         out = self._scorers[padded](self.state, ids)
-        return {k: np.asarray(v)[:num - 1] for k, v in jax.device_get(out).items()}
+        return jax.tree.map(lambda v: np.asarray(v)[:num - 1], jax.device_get(out))
 
-    def _score_impl(self, state, ids):
+    def _score_impl(self, state, ids) -> TokenLogprobs:
         model = nnx.merge(self.graphdef, state)
         logprobs = jax.nn.log_softmax(model(ids)[0, :-1], axis=-1)  # [T-1, V] f32
-        target = ids[0, 1:]
-        token_lp = jnp.take_along_axis(logprobs, target[:, None], axis=-1)[:, 0]
-        top_logprobs, top_ids = jax.lax.top_k(logprobs, min(NUM_TOP_LOGPROBS, logprobs.shape[-1]))
-        rank = 1 + jnp.sum(logprobs > token_lp[:, None], axis=-1)
-        return dict(logprob=token_lp, rank=rank, top_ids=top_ids, top_logprobs=top_logprobs)
+        return token_logprobs(logprobs, ids[0, 1:])
 
     def _abstract_args(self, bucket):
         t, s = bucket
-        host = (padding_inputs(t, s, self.pages_per_seq).arrays(),
+        host = (StepInputs.from_batch(padding_inputs(t, s, self.pages_per_seq)),
                 padding_sampling(s, self.max_model_len))
         return jax.tree.map(lambda x: jax.ShapeDtypeStruct(
             np.shape(x), np.asarray(x).dtype, sharding=self._inputs_sharding), host)
