@@ -114,7 +114,7 @@ def _add_bench(subparsers) -> None:
 
 
 def _run_bench_serve(args) -> int:
-    from serving.bench.serve import bench_serve
+    from serving.bench.load_generator import bench_serve
     try:
         report = bench_serve(args)
     except (ValueError, RuntimeError) as e:
@@ -160,7 +160,7 @@ def _add_serve(subparsers) -> None:
 
 def _run_serve(args) -> int:
     from serving.cli_args import engine_kwargs
-    from serving.serve import run
+    from serving.server import run
     return run(args, engine_kwargs(args))
 
 

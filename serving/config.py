@@ -1,4 +1,4 @@
-"""Engine configs: frozen, keyword-only, validated on construction. Pure Python."""
+"""Engine and server configs: frozen, keyword-only, validated on construction. Pure Python."""
 
 from __future__ import annotations
 
@@ -8,6 +8,7 @@ import functools
 from qwen_jax.options import KV_CACHE_DTYPES
 from qwen_jax.validation import require
 from serving.buckets import MIN_SEQ_BUCKET, MIN_TOKEN_BUCKET, make_buckets
+from serving.reasoning import reasoning_parser_class
 
 POLICIES = ("fcfs", "priority")
 
@@ -92,3 +93,25 @@ class SchedulerConfig:
             raise ValueError("max_model_len is not resolved yet (the engine sets it)")
         return -(-self.max_model_len // block_size)
 
+
+@dataclasses.dataclass(frozen=True, kw_only=True)
+class ServerConfig:
+    """`qwen-jax serve`'s HTTP options (the engine's are EngineConfig's)."""
+
+    host: str = "127.0.0.1"
+    port: int = 8000
+    api_key: str | None = None
+    served_model_name: str | None = None
+    max_request_body_mb: float = 8.0
+    shutdown_timeout: float = 30.0  # seconds in-flight requests get to finish on SIGTERM
+    log_interval: float = 10.0  # seconds between throughput lines; 0 disables
+    retry_after: int = 1  # seconds, sent with 503 when the waiting queue is full
+    reasoning_parser: str | None = None  # e.g. "qwen3": chat replies split out reasoning_content
+
+    def __post_init__(self) -> None:
+        require(0 <= self.port <= 65535, "port", self.port, "in [0, 65535]")
+        require(self.max_request_body_mb > 0, "max_request_body_mb", self.max_request_body_mb,
+                "> 0")
+        require(self.shutdown_timeout >= 0, "shutdown_timeout", self.shutdown_timeout, ">= 0")
+        if self.reasoning_parser is not None:
+            reasoning_parser_class(self.reasoning_parser)

@@ -82,7 +82,8 @@ class ServerThread:
     async def _start(self) -> None:
         from aiohttp import web
 
-        from serving.server import ServerConfig, build_app
+        from serving.config import ServerConfig
+        from serving.server import build_app
         app = build_app(self.llm, ServerConfig(**self.server_kwargs))
         self.app = app
         self.runner = web.AppRunner(app, handler_cancellation=True, access_log=None)
