@@ -7,7 +7,6 @@ import shutil
 from pathlib import Path
 
 import jax
-import orbax.checkpoint as ocp
 from flax import nnx
 
 from qwen_jax import sharding
@@ -19,6 +18,13 @@ TOKENIZER_FILES = ("tokenizer.json", "tokenizer_config.json", "generation_config
                    "special_tokens_map.json", "chat_template.jinja", "vocab.json", "merges.txt")
 
 
+def _checkpointer():
+    """Orbax is imported on use: importing it costs ~0.5 s and installs a root logging
+    handler, which would silence `logging.basicConfig` in every program loading a model."""
+    import orbax.checkpoint as ocp
+    return ocp.StandardCheckpointer()
+
+
 def is_orbax_checkpoint(directory) -> bool:
     return (Path(directory) / PARAMS_DIR).is_dir()
 
@@ -28,7 +34,7 @@ def save(model, directory, *, source_dir=None) -> Path:
     directory = Path(directory).absolute()
     directory.mkdir(parents=True, exist_ok=True)
     params = nnx.to_pure_dict(nnx.state(model, nnx.Param))
-    with ocp.StandardCheckpointer() as ckptr:
+    with _checkpointer() as ckptr:
         ckptr.save(directory / PARAMS_DIR, params, force=True)
     with open(directory / "config.json", "w") as f:
         json.dump(model.config.to_hf_dict(), f, indent=2)
@@ -44,7 +50,7 @@ def restore(directory, *, model_cls, dtype=None, impl=None, mesh=None):
     saved one. With a `mesh`, orbax reads each parameter straight into its target shards."""
     directory = Path(directory).absolute()
     cfg = ModelConfig.from_hf(directory)
-    with ocp.StandardCheckpointer() as ckptr:
+    with _checkpointer() as ckptr:
         saved_meta = ckptr.metadata(directory / PARAMS_DIR)
         saved_dtype = jax.tree.leaves(_tree_of(saved_meta))[0].dtype
         model = abstract_model(cfg, saved_dtype, impl, mesh, model_cls=model_cls)
