@@ -32,11 +32,11 @@ class MemoryPlan:
     weight_bytes_per_device: int
     kv_bytes_per_page_per_device: int
     num_pages: int
-    block_size: int
+    page_size: int  # tokens per KV page (vLLM's option `block_size`)
 
     @property
     def max_concurrent_tokens(self) -> int:
-        return self.num_pages * self.block_size
+        return self.num_pages * self.page_size
 
     def summary(self) -> str:
         gb = 1e9

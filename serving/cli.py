@@ -59,7 +59,7 @@ _SAMPLING_OPTIONS = (  # (flag, type, SamplingParams field)
 def _add_generate(subparsers) -> None:
     from serving.cli_args import add_engine_args
     p = subparsers.add_parser(
-        "generate", help="offline batch generation over a JSONL file (resumable)",
+        "generate", help="offline generation over a JSONL file (resumable)",
         description="Each input line: {\"id\", \"prompt\" (text or token ids) | \"messages\", "
                     "optional SamplingParams fields}. One result line per id is appended to "
                     "--output as it finishes; rerunning skips the ids already there.")

@@ -97,15 +97,15 @@ class LLMEngine:
             raise ValueError(
                 f"max_model_len={sched.max_model_len} exceeds the model's "
                 f"max_position_embeddings={self.model_config.max_position_embeddings}")
-        self.block_size = cache.block_size
-        self.pages_per_seq = sched.pages_per_seq(cache.block_size)
+        self.page_size = cache.block_size  # vLLM's option name for the page size
+        self.pages_per_seq = sched.pages_per_seq(self.page_size)
         dtype = resolve_kv_cache_dtype(cache.kv_cache_dtype, self.model.dtype)
         max_pages = 1 + sched.max_num_seqs * self.pages_per_seq
-        self.bytes_per_page = kv_bytes_per_page(self.model_config, cache.block_size, dtype,
+        self.bytes_per_page = kv_bytes_per_page(self.model_config, self.page_size, dtype,
                                                 tp_size(self.mesh))
         self.num_pages = kv_cache.num_pages_to_allocate(cache, self.bytes_per_page, max_pages)
-        caches = kv_cache.allocate(self.model, self.num_pages, cache.block_size, dtype)
-        self.kv_manager = KVCacheManager(self.num_pages, cache.block_size,
+        caches = kv_cache.allocate(self.model, self.num_pages, self.page_size, dtype)
+        self.kv_manager = KVCacheManager(self.num_pages, self.page_size,
                                          cache.enable_prefix_caching)
         self.scheduler = Scheduler(sched, self.kv_manager)
         self.runner = ModelRunner(self.model, caches, max_model_len=sched.max_model_len,
@@ -118,7 +118,7 @@ class LLMEngine:
 
     @property
     def kv_capacity_tokens(self) -> int:
-        return self.kv_manager.num_total_blocks * self.block_size
+        return self.kv_manager.num_total_pages * self.page_size
 
     # ---- requests ----------------------------------------------------------------------
     def tokenize_prompt(self, prompt) -> tuple[str | None, list[int]]:
@@ -228,7 +228,7 @@ class LLMEngine:
         if out.is_empty:
             return []
         batch = build_model_inputs(out, self.scheduler_config.token_bucket_sizes,
-                                   self.scheduler_config.seq_bucket_sizes, self.block_size,
+                                   self.scheduler_config.seq_bucket_sizes, self.page_size,
                                    self.pages_per_seq)
         sampling = build_sampling_arrays(
             [self._sampling_entry(s.request) for s in out.scheduled], batch.padded_num_seqs,
@@ -278,9 +278,9 @@ class LLMEngine:
         return {
             "num_running": self.scheduler.num_running,
             "num_waiting": self.scheduler.num_waiting,
-            "num_free_pages": kv.num_free_blocks,
-            "num_total_pages": kv.num_total_blocks,
-            "num_used_pages": kv.num_total_blocks - kv.num_free_blocks,
+            "num_free_pages": kv.num_free_pages,
+            "num_total_pages": kv.num_total_pages,
+            "num_used_pages": kv.num_total_pages - kv.num_free_pages,
             "kv_cache_usage": kv.usage,
             "num_preemptions": self.scheduler.num_preemptions,
             "prefix_cache_hit_rate": kv.prefix_cache_hit_rate,

@@ -1,4 +1,4 @@
-"""Offline batch generation over a JSONL file: resumable, crash-safe, incremental.
+"""`qwen-jax generate`: offline generation over a JSONL file; resumable, crash-safe, incremental.
 
 Input lines: {"id": ..., "prompt": text | [token ids]} or {"id": ..., "messages": [...]},
 plus optional SamplingParams fields, `chat_template_kwargs` and `metadata` (echoed back).

@@ -42,8 +42,8 @@ def num_pages_to_allocate(cache_config, per_page: int, max_pages_needed: int) ->
     return int(pages)
 
 
-def allocate(model, num_pages: int, block_size: int, dtype):
-    caches = model.init_kv_caches(num_pages, block_size, dtype)
+def allocate(model, num_pages: int, page_size: int, dtype):
+    caches = model.init_kv_caches(num_pages, page_size, dtype)
     logger.info("KV cache: %d pages x %d tokens (page 0 is the padding scratch page), %.1f MiB",
-                num_pages, block_size, sum(k.nbytes + v.nbytes for k, v in caches) / 2**20)
+                num_pages, page_size, sum(k.nbytes + v.nbytes for k, v in caches) / 2**20)
     return caches

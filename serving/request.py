@@ -145,13 +145,13 @@ class Request:
     output_token_ids: list[int] = dataclasses.field(default_factory=list)
     num_computed_tokens: int = 0
     status: RequestStatus = RequestStatus.WAITING
-    block_ids: list[int] = dataclasses.field(default_factory=list)
+    page_ids: list[int] = dataclasses.field(default_factory=list)
     num_cached_tokens: int = 0
     num_preemptions: int = 0
     stop_reason: int | str | None = None
     metrics: RequestMetrics | None = None
-    # Chained block hashes of full blocks, filled lazily by the KV cache manager.
-    block_hashes: list[int] = dataclasses.field(default_factory=list, repr=False)
+    # Chained page hashes of full pages, filled lazily by the KV cache manager.
+    page_hashes: list[int] = dataclasses.field(default_factory=list, repr=False)
 
     def __post_init__(self) -> None:
         require(len(self.prompt_token_ids) > 0, "prompt_token_ids", self.prompt_token_ids,

@@ -321,7 +321,7 @@ def startup_report(llm, seconds: float) -> str:
                                                  "(--no-precompile)")
     return (f"model {engine.model_path} loaded in {engine.load_seconds:.1f} s; {compiled}; "
             f"KV cache: {stats['kv_capacity_tokens']:,} tokens in {stats['num_total_pages']:,} "
-            f"pages of {engine.block_size}; max_model_len {engine.max_model_len}; "
+            f"pages of {engine.page_size}; max_model_len {engine.max_model_len}; "
             f"ready in {seconds:.1f} s")
 
 

@@ -13,9 +13,9 @@ BS = 4
 PAGES = 4
 
 
-def seq(rid, tokens, block_ids, start, num_new):
+def seq(rid, tokens, page_ids, start, num_new):
     request = Request(rid, list(tokens))
-    request.block_ids = list(block_ids)
+    request.page_ids = list(page_ids)
     return ScheduledSeq(request, num_new, start, start + num_new == request.num_tokens)
 
 
@@ -27,7 +27,7 @@ def mixed():
     prefill = seq("p", [40, 41], [2], start=0, num_new=2)
     out = SchedulerOutput(scheduled=[decode, chunk, prefill], preempted=[])
     return build_model_inputs(out, token_buckets=[8, 16], seq_buckets=[4, 8],
-                              block_size=BS, pages_per_seq=PAGES)
+                              page_size=BS, pages_per_seq=PAGES)
 
 
 def test_picks_smallest_buckets_that_fit(mixed):
