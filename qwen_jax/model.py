@@ -6,6 +6,8 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 from flax import nnx
+from jax.typing import ArrayLike
+from jaxtyping import Array, Float, Int
 
 import pallas_kernels
 from qwen_jax import sharding, weights
@@ -79,7 +81,9 @@ class Qwen3ForCausalLM(nnx.Module):
         return self.embed_tokens.dtype
 
     # ---- serving path ------------------------------------------------------------------
-    def forward(self, token_ids, positions, kv_caches: KVCache, meta: AttentionMetadata):
+    def forward(self, token_ids: Int[Array, "T"], positions: Int[Array, "T"],
+                kv_caches: KVCache, meta: AttentionMetadata
+                ) -> tuple[Float[Array, "T D"], KVCache]:
         """token_ids, positions: int32[T] -> (final hidden [T, D], updated caches)."""
         x = self.embed_tokens[...][token_ids]  # [T, D]
         valid = meta.valid_tokens(token_ids.shape[0])
@@ -90,7 +94,7 @@ class Qwen3ForCausalLM(nnx.Module):
             new_caches.append(kv)
         return self.norm(x), new_caches
 
-    def compute_logits(self, hidden: jax.Array) -> jax.Array:
+    def compute_logits(self, hidden: Float[Array, "*B D"]) -> Float[Array, "*B V"]:
         """hidden: [..., D] -> float32 logits [..., V]."""
         head = self.embed_tokens[...].T if self.lm_head is None else self.lm_head[...]
         return jnp.einsum("...d,dv->...v", hidden, head, preferred_element_type=jnp.float32)
@@ -120,7 +124,8 @@ class Qwen3ForCausalLM(nnx.Module):
         return [(zeros(c), zeros(c)) for _, _, c in cfg.segments]
 
     # ---- full-sequence path ------------------------------------------------------------
-    def __call__(self, input_ids: jax.Array, page_size: int = 16) -> jax.Array:
+    def __call__(self, input_ids: Int[ArrayLike, "B T"], page_size: int = 16
+                 ) -> Float[Array, "B T V"]:
         """input_ids: int32[B, T] -> float32 logits [B, T, V] (causal, no padding)."""
         batch, seq_len = input_ids.shape
         meta, num_pages = contiguous_metadata(batch, seq_len, page_size)

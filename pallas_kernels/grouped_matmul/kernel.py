@@ -12,6 +12,8 @@ import jax
 import jax.numpy as jnp
 from jax.experimental import pallas as pl
 from jax.experimental.pallas import triton as pltriton
+from jax.typing import ArrayLike
+from jaxtyping import Array, Float, Int
 
 from pallas_kernels.grouped_matmul import tuning
 
@@ -93,8 +95,10 @@ def check_grouped_matmul_args(lhs, rhs, group_sizes):
 
 @functools.partial(jax.jit, static_argnames=(
     "interpret", "block_m", "block_k", "block_n", "num_warps", "num_stages"))
-def grouped_matmul(lhs, rhs, group_sizes, *, interpret=False, block_m=None, block_k=None,
-                   block_n=None, num_warps=None, num_stages=None):
+def grouped_matmul(lhs: Float[ArrayLike, "M Din"], rhs: Float[ArrayLike, "G Din Dout"],
+                   group_sizes: Int[ArrayLike, "G"], *, interpret=False, block_m=None,
+                   block_k=None, block_n=None, num_warps=None, num_stages=None
+                   ) -> Float[Array, "M Dout"]:
     """lhs [M, K] (rows sorted by group) times rhs [G, K, N] per group -> [M, N].
 
     Same contract as `grouped_matmul_reference` (jax.lax.ragged_dot): fp32

@@ -2,9 +2,13 @@
 
 import jax
 import jax.numpy as jnp
+from jax.typing import ArrayLike
+from jaxtyping import Array, Float, Int
 
 
-def grouped_matmul_reference(lhs, rhs, group_sizes, *, interpret=False, **block_sizes):
+def grouped_matmul_reference(lhs: Float[ArrayLike, "M Din"], rhs: Float[ArrayLike, "G Din Dout"],
+                             group_sizes: Int[ArrayLike, "G"], *, interpret=False,
+                             **block_sizes) -> Float[Array, "M Dout"]:
     """lhs: [M, K] rows sorted by group; rhs: [G, K, N]; group_sizes: int32[G] -> [M, N].
 
     Rows past sum(group_sizes) are zero. `interpret` and `block_sizes` are accepted only
