@@ -18,8 +18,13 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 
-from pallas_kernels import (grouped_matmul, grouped_matmul_reference, ragged_paged_attention,
-                            ragged_paged_attention_reference, write_kv_pages)
+from pallas_kernels import (
+    grouped_matmul,
+    grouped_matmul_reference,
+    ragged_paged_attention,
+    ragged_paged_attention_reference,
+    write_kv_pages,
+)
 
 
 @dataclasses.dataclass(frozen=True, kw_only=True)

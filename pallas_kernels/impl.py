@@ -7,8 +7,10 @@ import jax
 
 from pallas_kernels.grouped_matmul import grouped_matmul, grouped_matmul_reference
 from pallas_kernels.kv_write import write_kv_pages
-from pallas_kernels.ragged_paged_attention import (ragged_paged_attention,
-                                                   ragged_paged_attention_reference)
+from pallas_kernels.ragged_paged_attention import (
+    ragged_paged_attention,
+    ragged_paged_attention_reference,
+)
 
 IMPLS = ("pallas", "reference")
 

@@ -26,9 +26,9 @@ def quantize(values, pages_dtype, scale):
 
 def write_kv_pages(k_pages: Shaped[ArrayLike, "P L K H"], v_pages: Shaped[ArrayLike, "P L K H"],
                    k_new: Float[ArrayLike, "T K H"], v_new: Float[ArrayLike, "T K H"],
-                   slot_mapping: Int[ArrayLike, "T"], *,
-                   k_scale: Float[ArrayLike, "K"] | None = None,
-                   v_scale: Float[ArrayLike, "K"] | None = None
+                   slot_mapping: Int[ArrayLike, " T"], *,
+                   k_scale: Float[ArrayLike, " K"] | None = None,
+                   v_scale: Float[ArrayLike, " K"] | None = None
                    ) -> tuple[Shaped[Array, "P L K H"], Shaped[Array, "P L K H"]]:
     """Scatter new rows into the paged cache; returns the updated (k_pages, v_pages).
 

@@ -12,8 +12,10 @@ import dataclasses
 
 import jax
 import jax.numpy as jnp
+import numpy as np
 from flax import nnx
 from jax.sharding import PartitionSpec as P
+from jaxtyping import Array, Int
 
 import pallas_kernels
 from qwen_jax.layers import Linear, RMSNorm, Runtime, apply_rope
@@ -23,13 +25,14 @@ from qwen_jax.sharding import kv_replication
 @jax.tree_util.register_dataclass
 @dataclasses.dataclass(frozen=True)
 class AttentionMetadata:
-    """Where each flattened token sits in the paged cache (see serving/batch.py)."""
+    """Where each flattened token sits in the paged cache (see serving/batch.py); host
+    numpy arrays until the step moves them to the devices."""
 
-    slot_mapping: jax.Array  # int32[T] flat slot (page * L + offset); padding -> page 0
-    query_start: jax.Array   # int32[S+1]
-    kv_lens: jax.Array       # int32[S] context length including this step's tokens
-    page_table: jax.Array    # int32[S, pages_per_seq]
-    num_seqs: jax.Array      # int32[] real sequences; the rest is padding
+    slot_mapping: Int[Array | np.ndarray, " T"]  # flat slot (page * L + offset); pad -> page 0
+    query_start: Int[Array | np.ndarray, " S+1"]
+    kv_lens: Int[Array | np.ndarray, " S"]  # context length including this step's tokens
+    page_table: Int[Array | np.ndarray, "S pages_per_seq"]
+    num_seqs: Int[Array | np.ndarray, ""]  # real sequences; the rest is padding
 
     def valid_tokens(self, num_tokens: int) -> jax.Array:
         """bool[T]: real tokens (rows before query_start[num_seqs])."""

@@ -94,7 +94,8 @@ class ModelConfig:
 
     @functools.cached_property
     def layer_kinds(self) -> tuple[str, ...]:
-        return tuple("moe" if self.is_moe_layer(i) else "dense" for i in range(self.num_hidden_layers))
+        return tuple("moe" if self.is_moe_layer(i) else "dense"
+                     for i in range(self.num_hidden_layers))
 
     @functools.cached_property
     def segments(self) -> tuple[tuple[str, int, int], ...]:
@@ -226,7 +227,7 @@ def _architecture(hf: dict) -> str:
     model_type = hf.get("model_type")
     require(model_type in _ARCH_BY_MODEL_TYPE, "model_type", model_type,
             f"one of {', '.join(_ARCH_BY_MODEL_TYPE)}")
-    return _ARCH_BY_MODEL_TYPE[model_type]
+    return _ARCH_BY_MODEL_TYPE[str(model_type)]
 
 
 def _rope_fields(hf: dict) -> tuple[float, dict | None]:
@@ -255,16 +256,19 @@ def _fields_from_hf(hf: dict) -> dict:
     if "num_experts" in hf and "num_local_experts" in hf:
         require(hf["num_experts"] == hf["num_local_experts"], "num_local_experts",
                 hf["num_local_experts"], f"equal to num_experts={hf['num_experts']}")
-    head_dim = hf.get("head_dim") or hidden // heads
+    head_dim = hf.get("head_dim") or hf["hidden_size"] // hf["num_attention_heads"]
     rope_theta, rope_scaling = _rope_fields(hf)
     fields = dict(
         architecture=arch, vocab_size=hf.get("vocab_size", 0), hidden_size=hidden,
-        intermediate_size=hf.get("intermediate_size", 0), num_hidden_layers=hf.get("num_hidden_layers", 0),
+        intermediate_size=hf.get("intermediate_size", 0),
+        num_hidden_layers=hf.get("num_hidden_layers", 0),
         num_attention_heads=heads, num_key_value_heads=hf.get("num_key_value_heads") or heads,
         head_dim=head_dim, rms_norm_eps=hf.get("rms_norm_eps", 1e-6), rope_theta=rope_theta,
-        rope_scaling=rope_scaling, max_position_embeddings=hf.get("max_position_embeddings", 40_960),
+        rope_scaling=rope_scaling,
+        max_position_embeddings=hf.get("max_position_embeddings", 40_960),
         tie_word_embeddings=bool(hf.get("tie_word_embeddings", False)),
-        attention_bias=bool(hf.get("attention_bias", False)), hidden_act=hf.get("hidden_act", "silu"),
+        attention_bias=bool(hf.get("attention_bias", False)),
+        hidden_act=hf.get("hidden_act", "silu"),
         bos_token_id=hf.get("bos_token_id"),
         eos_token_id=tuple(hf["eos_token_id"]) if isinstance(hf.get("eos_token_id"), list)
         else hf.get("eos_token_id"),

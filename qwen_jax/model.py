@@ -6,7 +6,6 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 from flax import nnx
-from jax.typing import ArrayLike
 from jaxtyping import Array, Float, Int
 
 import pallas_kernels
@@ -81,7 +80,8 @@ class Qwen3ForCausalLM(nnx.Module):
         return self.embed_tokens.dtype
 
     # ---- serving path ------------------------------------------------------------------
-    def forward(self, token_ids: Int[Array, "T"], positions: Int[Array, "T"],
+    def forward(self, token_ids: Int[Array | np.ndarray, " T"],
+                positions: Int[Array | np.ndarray, " T"],
                 kv_caches: KVCache, meta: AttentionMetadata
                 ) -> tuple[Float[Array, "T D"], KVCache]:
         """token_ids, positions: int32[T] -> (final hidden [T, D], updated caches)."""
@@ -124,7 +124,7 @@ class Qwen3ForCausalLM(nnx.Module):
         return [(zeros(c), zeros(c)) for _, _, c in cfg.segments]
 
     # ---- full-sequence path ------------------------------------------------------------
-    def __call__(self, input_ids: Int[ArrayLike, "B T"], page_size: int = 16
+    def __call__(self, input_ids: Int[Array | np.ndarray, "B T"], page_size: int = 16
                  ) -> Float[Array, "B T V"]:
         """input_ids: int32[B, T] -> float32 logits [B, T, V] (causal, no padding)."""
         batch, seq_len = input_ids.shape

@@ -20,7 +20,7 @@ from qwen_jax.sharding import kv_replication, param_logical_axes, spec_for
 class _MeshShape:
     """Just the axis sizes: planning needs no devices."""
 
-    shape: dict
+    shape: dict[str, int]
 
 
 @dataclasses.dataclass(frozen=True)

@@ -9,13 +9,13 @@ imports model.py, which imports it.
 from __future__ import annotations
 
 import functools
+import typing
 from pathlib import Path
 
 import jax
 import jax.numpy as jnp
 import numpy as np
 from flax import nnx
-
 from jax.sharding import NamedSharding
 from jax.sharding import PartitionSpec as P
 
@@ -191,7 +191,7 @@ def load_safetensors(directory, cfg: ModelConfig, dtype, *, model_cls, impl=None
         shape, vdtype = var.get_value().shape, var.get_value().dtype
         target = None if mesh is None else sharding.param_sharding(path, shape, mesh, cfg)
         if path[0] == "segments":
-            seg, sub = path[1], tuple(path[2:])
+            seg, sub = typing.cast(int, path[1]), tuple(str(p) for p in path[2:])
             _, first, count = cfg.segments[seg]
             layer_target = None if target is None else NamedSharding(mesh, P(*target.spec[1:]))
             buffer = sharding.zeros(shape, vdtype, target)
@@ -200,7 +200,7 @@ def load_safetensors(directory, cfg: ModelConfig, dtype, *, model_cls, impl=None
                 buffer = _set_layer(buffer, _to_device(host, layer_target, vdtype), j)
             var.set_value(buffer)
         else:
-            host = hf_global_tensor(reader, cfg, tuple(path), shape)
+            host = hf_global_tensor(reader, cfg, tuple(str(p) for p in path), shape)
             var.set_value(_to_device(host, target, vdtype))
     init_buffers(state, cfg)
     return nnx.merge(graphdef, state)

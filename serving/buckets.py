@@ -39,7 +39,7 @@ def pick_bucket(n: int, buckets: Sequence[int]) -> int:
 def bucket_pairs(token_buckets: Sequence[int], seq_buckets: Sequence[int]) -> list[tuple[int, int]]:
     """Every (T, S) that build_model_inputs can pick: a step has at most one
     sequence per token, so S never exceeds the bucket that holds T sequences."""
-    pairs = []
+    pairs: list[tuple[int, int]] = []
     for t in token_buckets:
         max_s = pick_bucket(min(t, seq_buckets[-1]), seq_buckets)
         pairs.extend((t, s) for s in seq_buckets if s <= max_s)

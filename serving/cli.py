@@ -82,8 +82,8 @@ def _add_generate(subparsers) -> None:
 def _run_generate(args) -> int:
     import json
 
-    from serving.generate_file import generate_file
     from serving.cli_args import engine_kwargs
+    from serving.generate_file import generate_file
 
     sampling = {k[3:]: v for k, v in vars(args).items() if k.startswith("sp_") and v is not None}
     summary = generate_file(args.input, args.output, model=args.model,

@@ -87,11 +87,16 @@ class SchedulerConfig:
             return self.seq_buckets
         return tuple(make_buckets(self.max_num_seqs, minimum=MIN_SEQ_BUCKET))
 
-    def pages_per_seq(self, block_size: int) -> int:
-        """Static page-table width: enough pages for max_model_len tokens."""
+    @property
+    def resolved_max_model_len(self) -> int:
+        """max_model_len once the engine has resolved None to the model's."""
         if self.max_model_len is None:
             raise ValueError("max_model_len is not resolved yet (the engine sets it)")
-        return -(-self.max_model_len // block_size)
+        return self.max_model_len
+
+    def pages_per_seq(self, page_size: int) -> int:
+        """Static page-table width: enough pages for max_model_len tokens."""
+        return -(-self.resolved_max_model_len // page_size)
 
 
 @dataclasses.dataclass(frozen=True, kw_only=True)

@@ -25,8 +25,12 @@ from serving.engine_config import EngineConfig
 from serving.kv_cache_manager import KVCacheManager
 from serving.output_processor import OutputProcessor, ParentState, SeqState
 from serving.request import Request, RequestOutput, SamplingParams
-from serving.runner import (ModelRunner, StepInputs, default_compilation_cache_dir,
-                            enable_compilation_cache)
+from serving.runner import (
+    ModelRunner,
+    StepInputs,
+    default_compilation_cache_dir,
+    enable_compilation_cache,
+)
 from serving.sampler import NUM_BLOCKED, SamplingEntry, build_sampling_arrays, uses_penalties
 from serving.scheduler import Scheduler
 
@@ -41,7 +45,8 @@ class LLMEngine:
     def __init__(self, config: EngineConfig, devices=None):
         self.config = config
         cache_dir = config.compilation_cache_dir
-        enable_compilation_cache(default_compilation_cache_dir() if cache_dir == "default" else cache_dir)
+        enable_compilation_cache(
+            default_compilation_cache_dir() if cache_dir == "default" else cache_dir)
         started = time.perf_counter()
         self.model_path = resolve_model_path(config.model or DEFAULT_MODEL_DIR)
         self.mesh = self._make_mesh(devices)
@@ -93,9 +98,9 @@ class LLMEngine:
             sched = dataclasses.replace(sched, max_model_len=min(
                 DEFAULT_MAX_MODEL_LEN, self.model_config.max_position_embeddings))
         self.scheduler_config = sched
-        if sched.max_model_len > self.model_config.max_position_embeddings:
+        if self.max_model_len > self.model_config.max_position_embeddings:
             raise ValueError(
-                f"max_model_len={sched.max_model_len} exceeds the model's "
+                f"max_model_len={self.max_model_len} exceeds the model's "
                 f"max_position_embeddings={self.model_config.max_position_embeddings}")
         self.page_size = cache.block_size  # vLLM's option name for the page size
         self.pages_per_seq = sched.pages_per_seq(self.page_size)
@@ -108,13 +113,13 @@ class LLMEngine:
         self.kv_manager = KVCacheManager(self.num_pages, self.page_size,
                                          cache.enable_prefix_caching)
         self.scheduler = Scheduler(sched, self.kv_manager)
-        self.runner = ModelRunner(self.model, caches, max_model_len=sched.max_model_len,
+        self.runner = ModelRunner(self.model, caches, max_model_len=self.max_model_len,
                                   pages_per_seq=self.pages_per_seq, mesh=self.mesh)
         self.bucket_pairs = bucket_pairs(sched.token_bucket_sizes, sched.seq_bucket_sizes)
 
     @property
     def max_model_len(self) -> int:
-        return self.scheduler_config.max_model_len
+        return self.scheduler_config.resolved_max_model_len
 
     @property
     def kv_capacity_tokens(self) -> int:
@@ -163,7 +168,7 @@ class LLMEngine:
                 # and that the cache can ever hold it (before prompt logprobs are computed).
                 request = Request(request_id=child_id, prompt_token_ids=ids, sampling_params=params,
                                   priority=priority,
-                                  **({"arrival_time": arrival_time} if arrival_time else {}))
+                                  arrival_time=arrival_time or time.monotonic())
                 self.scheduler.add_request(request)
                 children.append(self._seq_state(request, request_id, i, params, ids, blocked))
             prompt_lps = (None if params.prompt_logprobs is None
@@ -186,9 +191,10 @@ class LLMEngine:
         if params.min_tokens == 0:
             return ()
         eos = () if params.ignore_eos else tuple(self.output_processor.eos_token_ids)
-        blocked = tuple(dict.fromkeys(eos + tuple(params.stop_token_ids)))
+        stop_ids = tuple(params.stop_token_ids or ())
+        blocked = tuple(dict.fromkeys(eos + stop_ids))
         if len(blocked) > NUM_BLOCKED:
-            raise ValueError(f"stop_token_ids has {len(params.stop_token_ids)} ids; with "
+            raise ValueError(f"stop_token_ids has {len(stop_ids)} ids; with "
                              f"min_tokens > 0 at most {NUM_BLOCKED - len(eos)} are supported")
         return blocked
 
@@ -200,7 +206,8 @@ class LLMEngine:
         if self.tokenizer is not None:
             detok = IncrementalDetokenizer(
                 self.tokenizer, prompt_ids, skip_special_tokens=params.skip_special_tokens,
-                stop=list(params.stop), include_stop_str_in_output=params.include_stop_str_in_output)
+                stop=list(params.stop),
+                include_stop_str_in_output=params.include_stop_str_in_output)
         return SeqState(request=request, parent_id=parent_id, index=index, seed=seed,
                         blocked_ids=blocked, detokenizer=detok,
                         logprobs=[] if params.logprobs is not None else None)

@@ -5,6 +5,7 @@ from __future__ import annotations
 
 import dataclasses
 
+from serving.detokenizer import IncrementalDetokenizer
 from serving.request import CompletionOutput, Request, RequestOutput, RequestStatus
 from serving.sampler import SamplerOutput, TokenLogprobs
 
@@ -27,7 +28,7 @@ class SeqState:
     index: int
     seed: int
     blocked_ids: tuple[int, ...]  # eos/stop ids suppressed until min_tokens
-    detokenizer: object | None
+    detokenizer: IncrementalDetokenizer | None
     logprobs: list | None = None
     cumulative_logprob: float = 0.0
     text: str = ""
@@ -96,8 +97,9 @@ class OutputProcessor:
     def _record_logprobs(self, seq: SeqState, token: int, logprobs: TokenLogprobs,
                          row: int) -> None:
         seq.cumulative_logprob += float(logprobs.logprob[row])
-        if seq.params.logprobs is not None:
-            seq.logprobs.append(self._logprob_entry(token, logprobs, row, seq.params.logprobs))
+        num = seq.params.logprobs
+        if num is not None and seq.logprobs is not None:  # both set iff logprobs were asked
+            seq.logprobs.append(self._logprob_entry(token, logprobs, row, num))
 
     def prompt_logprobs(self, prompt_ids: list[int], scored: TokenLogprobs, num: int) -> list:
         """vLLM's format: None for the first token, then {token_id: Logprob} holding the

@@ -81,7 +81,7 @@ class SamplingParams:
         _require_logprobs("logprobs", self.logprobs)
         _require_logprobs("prompt_logprobs", self.prompt_logprobs)
         require(self.seed is None or _is_int(self.seed), "seed", self.seed, "an int or None")
-        require(all(isinstance(s, str) and s for s in self.stop), "stop", self.stop,
+        require(all(isinstance(s, str) and s for s in self.stop or ()), "stop", self.stop,
                 "non-empty strings")
 
     @property
@@ -149,7 +149,7 @@ class Request:
     num_cached_tokens: int = 0
     num_preemptions: int = 0
     stop_reason: int | str | None = None
-    metrics: RequestMetrics | None = None
+    metrics: RequestMetrics = dataclasses.field(init=False)  # from arrival_time
     # Chained page hashes of full pages, filled lazily by the KV cache manager.
     page_hashes: list[int] = dataclasses.field(default_factory=list, repr=False)
 
@@ -157,8 +157,7 @@ class Request:
         require(len(self.prompt_token_ids) > 0, "prompt_token_ids", self.prompt_token_ids,
                 f"non-empty (request {self.request_id})")
         self.prompt_token_ids = list(self.prompt_token_ids)
-        if self.metrics is None:
-            self.metrics = RequestMetrics(arrival_time=self.arrival_time)
+        self.metrics = RequestMetrics(arrival_time=self.arrival_time)
 
     @property
     def all_token_ids(self) -> list[int]:

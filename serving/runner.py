@@ -8,18 +8,26 @@ import dataclasses
 import logging
 import os
 import time
+from collections.abc import Callable
 from pathlib import Path
 
 import jax
-import jax.numpy as jnp
 import numpy as np
 from flax import nnx
+from jax.sharding import NamedSharding
+from jaxtyping import Array, Int
 
 from qwen_jax.attention import AttentionMetadata
 from qwen_jax.sharding import replicated
 from serving.batch import ModelInputs
-from serving.sampler import (SamplerOutput, SamplingArrays, TokenLogprobs, build_sampling_arrays,
-                             sample, token_logprobs)
+from serving.sampler import (
+    SamplerOutput,
+    SamplingArrays,
+    TokenLogprobs,
+    build_sampling_arrays,
+    sample,
+    token_logprobs,
+)
 
 logger = logging.getLogger(__name__)
 
@@ -30,9 +38,9 @@ class StepInputs:
     """The jitted step's argument: one padded batch as the model reads it. Host numpy
     arrays until the step (or the multi-host broadcast) moves them to the devices."""
 
-    token_ids: jax.Array  # int32[T]
-    positions: jax.Array  # int32[T]
-    logits_index: jax.Array  # int32[S]: flat index of each sequence's last token
+    token_ids: Int[Array | np.ndarray, " T"]
+    positions: Int[Array | np.ndarray, " T"]
+    logits_index: Int[Array | np.ndarray, " S"]  # flat index of each sequence's last token
     attention: AttentionMetadata
 
     @classmethod
@@ -73,11 +81,11 @@ class ModelRunner:
         self.kv_caches = kv_caches
         self.max_model_len = max_model_len
         self.pages_per_seq = pages_per_seq
-        self._executables: dict[tuple[int, int], object] = {}  # (T, S) -> compiled step
-        self._scorers: dict[int, object] = {}  # padded prompt length -> jitted scorer
+        self._executables: dict[tuple[int, int], jax.stages.Compiled] = {}  # (T, S) -> step
+        self._scorers: dict[int, Callable] = {}  # padded prompt length -> jitted scorer
         # Under a mesh the host inputs go to every device (replicated) and the caches keep
         # their kv-head shards across steps.
-        self._inputs_sharding = None if mesh is None else replicated(mesh)
+        self._inputs_sharding: NamedSharding | None = None if mesh is None else replicated(mesh)
         cache_shardings = None if mesh is None else jax.tree.map(lambda x: x.sharding, kv_caches)
         self._step = jax.jit(self._step_impl, donate_argnums=(1,),
                              out_shardings=None if mesh is None else (cache_shardings,
@@ -106,8 +114,10 @@ class ModelRunner:
         return jax.device_get(out)
 
     def _replicate(self, host: np.ndarray) -> jax.Array:
-        """Host array -> global replicated array; works across processes too, where each
-        process holds the same (broadcast) values."""
+        """Host array -> global replicated array (under a mesh); works across processes too,
+        where each process holds the same (broadcast) values."""
+        if self._inputs_sharding is None:
+            raise ValueError("replicating inputs needs a mesh")
         host = np.asarray(host)
         return jax.make_array_from_callback(host.shape, self._inputs_sharding,
                                             lambda index: host[index])

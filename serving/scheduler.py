@@ -82,8 +82,8 @@ class Scheduler:
         """Length at which the request is capped (prompt + max_tokens, at most max_model_len)."""
         max_tokens = request.sampling_params.max_tokens
         if max_tokens is None:
-            return self.config.max_model_len
-        return min(request.num_prompt_tokens + max_tokens, self.config.max_model_len)
+            return self.config.resolved_max_model_len
+        return min(request.num_prompt_tokens + max_tokens, self.config.resolved_max_model_len)
 
     def is_length_capped(self, request: Request) -> bool:
         return request.num_tokens >= self.max_num_tokens(request)
@@ -100,7 +100,7 @@ class Scheduler:
     def _validate(self, request: Request) -> None:
         if request.request_id in self.requests:
             raise ValueError(f"request_id {request.request_id!r} is already in use")
-        if request.num_prompt_tokens > self.config.max_model_len:
+        if request.num_prompt_tokens > self.config.resolved_max_model_len:
             raise ValueError(
                 f"prompt has {request.num_prompt_tokens} tokens, more than "
                 f"max_model_len={self.config.max_model_len}")

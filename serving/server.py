@@ -24,13 +24,12 @@ from serving import openai_protocol as proto
 from serving.async_llm import AsyncLLM
 from serving.config import ServerConfig
 from serving.metrics import CONTENT_TYPE, Metrics
-from serving.openai_protocol import APIError
 from serving.openai_outputs import Job, merge, sse
+from serving.openai_protocol import APIError
 from serving.reasoning import reasoning_parser_class
 from serving.scheduler import QueueFullError
 
 logger = logging.getLogger("qwen_jax.server")
-STATE = web.AppKey("state", object)
 LOG = web.RequestKey("log", dict)
 
 
@@ -83,8 +82,9 @@ class OpenAIServer:
 
     async def _guarded(self, request: web.Request, handler):
         path = request.path
-        if self.config.api_key and path.startswith(("/v1", "/tokenize", "/detokenize")):
-            self._check_api_key(request)
+        key = self.config.api_key
+        if key and path.startswith(("/v1", "/tokenize", "/detokenize")):
+            self._check_api_key(request, key)
         if self.draining and path not in ("/health", "/metrics"):
             raise APIError(503, "server is shutting down",
                            headers={"Retry-After": str(self.config.retry_after)})
@@ -93,10 +93,11 @@ class OpenAIServer:
                                 f"{self.max_body} (--max-request-body-mb)", param="body")
         return await handler(request)
 
-    def _check_api_key(self, request: web.Request) -> None:
+    @staticmethod
+    def _check_api_key(request: web.Request, key: str) -> None:
         header = request.headers.get("Authorization", "")
         token = header[7:] if header.lower().startswith("bearer ") else ""
-        if not hmac.compare_digest(token.encode(), self.config.api_key.encode()):
+        if not hmac.compare_digest(token.encode(), key.encode()):
             raise APIError(401, "missing or invalid API key (Authorization: Bearer <key>)")
 
     def _log_request(self, request: web.Request, started: float) -> None:
@@ -162,7 +163,7 @@ class OpenAIServer:
 
     async def _generate(self, request, req: proto.ParsedRequest, prompts: list[list[int]],
                         kind: str, prompt_param: str) -> web.StreamResponse:
-        for i, ids in enumerate(prompts):
+        for ids in prompts:
             if not ids:
                 raise APIError(400, f"{prompt_param} is empty: it must contain at least one "
                                     "token", param=prompt_param)
@@ -275,7 +276,8 @@ class OpenAIServer:
             task.cancel()
 
     async def _throughput_loop(self) -> None:
-        last = (time.monotonic(), self.metrics.num_prompt_tokens, self.metrics.num_generation_tokens)
+        last = (time.monotonic(), self.metrics.num_prompt_tokens,
+                self.metrics.num_generation_tokens)
         while True:
             await asyncio.sleep(self.config.log_interval)
             now = (time.monotonic(), self.metrics.num_prompt_tokens,
@@ -290,6 +292,9 @@ class OpenAIServer:
                             s["num_running"], s["num_waiting"], 100 * s["kv_cache_usage"],
                             100 * s["prefix_cache_hit_rate"])
             last = now
+
+
+STATE = web.AppKey("state", OpenAIServer)
 
 
 def build_app(llm, config: ServerConfig | None = None) -> web.Application:

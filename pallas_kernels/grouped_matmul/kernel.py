@@ -96,7 +96,7 @@ def check_grouped_matmul_args(lhs, rhs, group_sizes):
 @functools.partial(jax.jit, static_argnames=(
     "interpret", "block_m", "block_k", "block_n", "num_warps", "num_stages"))
 def grouped_matmul(lhs: Float[ArrayLike, "M Din"], rhs: Float[ArrayLike, "G Din Dout"],
-                   group_sizes: Int[ArrayLike, "G"], *, interpret=False, block_m=None,
+                   group_sizes: Int[ArrayLike, " G"], *, interpret=False, block_m=None,
                    block_k=None, block_n=None, num_warps=None, num_stages=None
                    ) -> Float[Array, "M Dout"]:
     """lhs [M, K] (rows sorted by group) times rhs [G, K, N] per group -> [M, N].

@@ -7,7 +7,7 @@ from jaxtyping import Array, Float, Int
 
 
 def grouped_matmul_reference(lhs: Float[ArrayLike, "M Din"], rhs: Float[ArrayLike, "G Din Dout"],
-                             group_sizes: Int[ArrayLike, "G"], *, interpret=False,
+                             group_sizes: Int[ArrayLike, " G"], *, interpret=False,
                              **block_sizes) -> Float[Array, "M Dout"]:
     """lhs: [M, K] rows sorted by group; rhs: [G, K, N]; group_sizes: int32[G] -> [M, N].
 

@@ -16,8 +16,10 @@ from jax.typing import ArrayLike
 from jaxtyping import Array, Float, Int, Shaped
 
 from pallas_kernels.ragged_paged_attention import tuning
-from pallas_kernels.ragged_paged_attention.shapes import (check_attention_args,
-                                                          check_attention_blocks)
+from pallas_kernels.ragged_paged_attention.shapes import (
+    check_attention_args,
+    check_attention_blocks,
+)
 
 # Finite, so a fully masked key block never produces inf - inf = NaN.
 _MASK_VALUE = -1e30
@@ -138,11 +140,11 @@ def _plan_items(query_start, kv_lens, num_seqs, *, num_tokens, block_q):
 @functools.partial(jax.jit, static_argnames=(
     "sm_scale", "interpret", "block_q", "block_k", "num_warps", "num_stages"))
 def ragged_paged_attention(q: Float[ArrayLike, "T N H"], k_pages: Shaped[ArrayLike, "P L K H"],
-                           v_pages: Shaped[ArrayLike, "P L K H"], kv_lens: Int[ArrayLike, "S"],
+                           v_pages: Shaped[ArrayLike, "P L K H"], kv_lens: Int[ArrayLike, " S"],
                            page_table: Int[ArrayLike, "S pages_per_seq"],
-                           query_start: Int[ArrayLike, "S+1"], num_seqs: Int[ArrayLike, ""],
-                           *, sm_scale, k_scale: Float[ArrayLike, "K"] | None = None,
-                           v_scale: Float[ArrayLike, "K"] | None = None, interpret=False,
+                           query_start: Int[ArrayLike, " S+1"], num_seqs: Int[ArrayLike, ""],
+                           *, sm_scale, k_scale: Float[ArrayLike, " K"] | None = None,
+                           v_scale: Float[ArrayLike, " K"] | None = None, interpret=False,
                            block_q=None, block_k=None, num_warps=None, num_stages=None
                            ) -> Float[Array, "T N H"]:
     """Causal attention of ragged query rows over a paged KV cache (Pallas kernel).

@@ -82,10 +82,10 @@ def token_positions(query_start, kv_lens, num_seqs, num_tokens):
 
 def ragged_paged_attention_reference(
         q: Float[ArrayLike, "T N H"], k_pages: Shaped[ArrayLike, "P L K H"],
-        v_pages: Shaped[ArrayLike, "P L K H"], kv_lens: Int[ArrayLike, "S"],
-        page_table: Int[ArrayLike, "S pages_per_seq"], query_start: Int[ArrayLike, "S+1"],
-        num_seqs: Int[ArrayLike, ""], *, sm_scale, k_scale: Float[ArrayLike, "K"] | None = None,
-        v_scale: Float[ArrayLike, "K"] | None = None, interpret=False, **block_sizes
+        v_pages: Shaped[ArrayLike, "P L K H"], kv_lens: Int[ArrayLike, " S"],
+        page_table: Int[ArrayLike, "S pages_per_seq"], query_start: Int[ArrayLike, " S+1"],
+        num_seqs: Int[ArrayLike, ""], *, sm_scale, k_scale: Float[ArrayLike, " K"] | None = None,
+        v_scale: Float[ArrayLike, " K"] | None = None, interpret=False, **block_sizes
 ) -> Float[Array, "T N H"]:
     """Causal attention of ragged query rows over a paged KV cache, in plain jnp.
 

@@ -13,7 +13,6 @@ from aiohttp import web
 
 from serving.bench.metrics import RequestResult, compute_metrics, format_table, parse_goodput
 from serving.cli import main
-from tests.engine.conftest import compile_cache, tokenizer_ckpt  # noqa: F401 (fixtures)
 
 OUTPUT_LEN = 5
 METRICS = ("ttft", "tpot", "itl", "e2el")

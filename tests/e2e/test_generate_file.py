@@ -11,8 +11,6 @@ from pathlib import Path
 
 import pytest
 
-from tests.engine.conftest import compile_cache, tokenizer_ckpt  # noqa: F401 (fixtures)
-
 REPO = Path(__file__).resolve().parents[2]
 ENGINE = ["--max-num-seqs", "8", "--max-num-batched-tokens", "64", "--max-model-len", "96",
           "--token-buckets", "64", "--seq-buckets", "8"]

@@ -4,14 +4,19 @@ correctness through every engine configuration (a difference is a serving bug)."
 from __future__ import annotations
 
 import json
-from pathlib import Path
 
 import numpy as np
 import pytest
 
 from qwen_jax import tasks
-from serving.eval_tasks import (TINY_MODEL, chat_template, evaluate, final_answer,
-                                generate_texts, render_prompts)
+from serving.eval_tasks import (
+    TINY_MODEL,
+    chat_template,
+    evaluate,
+    final_answer,
+    generate_texts,
+    render_prompts,
+)
 from tests.helpers.fixtures import QWEN3_TOKENIZER
 from tiny_greedy import FullForwardLLM, eos_ids, hf_greedy_ids
 

@@ -12,8 +12,8 @@ import numpy as np
 from flax import nnx
 from tokenizers import Tokenizer
 
-from serving.eval_tasks import MAX_ANSWER_TOKENS
 from qwen_jax.model import Qwen3ForCausalLM
+from serving.eval_tasks import MAX_ANSWER_TOKENS
 
 
 def eos_ids(model_path) -> set[int]:

@@ -94,7 +94,8 @@ def test_logprobs_are_raw_log_softmax_with_ranks():
     np.testing.assert_allclose(out.logprobs.logprob, ref.max(-1), atol=1e-5)
     np.testing.assert_array_equal(out.logprobs.rank, [1, 1])
     np.testing.assert_array_equal(out.logprobs.top_ids[:, :5], np.argsort(-ref, -1)[:, :5])
-    np.testing.assert_allclose(out.logprobs.top_logprobs[:, :5], -np.sort(-ref, -1)[:, :5], atol=1e-5)
+    np.testing.assert_allclose(out.logprobs.top_logprobs[:, :5], -np.sort(-ref, -1)[:, :5],
+                               atol=1e-5)
 
 
 @pytest.mark.parametrize("field,value", [("temperature", -1.0), ("top_p", 0.0), ("top_k", -2),

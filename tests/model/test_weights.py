@@ -15,8 +15,8 @@ from safetensors.numpy import load_file, save_file
 
 from qwen_jax import Qwen3ForCausalLM
 from qwen_jax.config import ModelConfig
-from qwen_jax.safetensors_io import CheckpointReader, SafetensorsFile
 from qwen_jax.params import abstract_model
+from qwen_jax.safetensors_io import CheckpointReader, SafetensorsFile
 from tests.helpers.hf import hf_logits, save_hf_model
 from tests.model.conftest import CHECKPOINT, PROMPT, logits
 

@@ -2,8 +2,8 @@
 
 import pytest
 
-from serving.page_pool import ROOT_HASH, PagePool, hash_page_tokens
 from serving.kv_cache_manager import KVCacheManager
+from serving.page_pool import ROOT_HASH, PagePool, hash_page_tokens
 from serving.request import Request, SamplingParams
 
 BS = 4

@@ -8,8 +8,13 @@ from beartype import beartype
 from jaxtyping import TypeCheckError, jaxtyped
 
 from kernel_cases import INTERPRET, make_case
-from pallas_kernels import (grouped_matmul, grouped_matmul_reference, ragged_paged_attention,
-                            ragged_paged_attention_reference, write_kv_pages)
+from pallas_kernels import (
+    grouped_matmul,
+    grouped_matmul_reference,
+    ragged_paged_attention,
+    ragged_paged_attention_reference,
+    write_kv_pages,
+)
 
 
 def checked(fn):
