@@ -4,10 +4,13 @@ logprobs, and gathering the n samples of a request into one RequestOutput."""
 from __future__ import annotations
 
 import dataclasses
+from typing import TYPE_CHECKING
 
 from serving.detokenizer import IncrementalDetokenizer
 from serving.request import CompletionOutput, Request, RequestOutput, RequestStatus
-from serving.sampler import SamplerOutput, TokenLogprobs
+
+if TYPE_CHECKING:  # host-side code: the sampler's types only, not jax
+    from serving.sampler import SamplerOutput, TokenLogprobs
 
 
 @dataclasses.dataclass
