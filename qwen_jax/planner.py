@@ -6,10 +6,13 @@ from __future__ import annotations
 import dataclasses
 import math
 
+import jax
 import numpy as np
 from flax import nnx
 
 from qwen_jax.config import ModelConfig
+from qwen_jax.model import Qwen3ForCausalLM
+from qwen_jax.params import abstract_model, resolve_dtype
 from qwen_jax.sharding import kv_replication, param_logical_axes, spec_for
 
 
@@ -17,7 +20,7 @@ from qwen_jax.sharding import kv_replication, param_logical_axes, spec_for
 class _MeshShape:
     """Just the axis sizes: planning needs no devices."""
 
-    shape: dict
+    shape: dict[str, int]
 
 
 @dataclasses.dataclass(frozen=True)
@@ -29,11 +32,11 @@ class MemoryPlan:
     weight_bytes_per_device: int
     kv_bytes_per_page_per_device: int
     num_pages: int
-    block_size: int
+    page_size: int  # tokens per KV page (vLLM's option `block_size`)
 
     @property
     def max_concurrent_tokens(self) -> int:
-        return self.num_pages * self.block_size
+        return self.num_pages * self.page_size
 
     def summary(self) -> str:
         gb = 1e9
@@ -48,12 +51,29 @@ def _itemsize(dtype) -> int:
     return np.dtype(dtype).itemsize
 
 
+def kv_bytes_per_page(cfg: ModelConfig, page_size: int, dtype,
+                      tensor_parallel_size: int = 1) -> int:
+    """K and V of every layer for one page of `page_size` tokens, on one device: its share
+    of the cache's heads (K / TP, or one copy of a head when TP > K)."""
+    tp = tensor_parallel_size
+    heads = cfg.num_key_value_heads * kv_replication(cfg.num_key_value_heads,
+                                                    _MeshShape({"model": tp})) // tp
+    return 2 * cfg.num_hidden_layers * page_size * max(heads, 1) * cfg.head_dim * _itemsize(dtype)
+
+
+def _abstract_params(cfg: ModelConfig, dtype="float32") -> nnx.State:
+    return nnx.state(abstract_model(cfg, dtype, model_cls=Qwen3ForCausalLM), nnx.Param)
+
+
+def param_count(cfg: ModelConfig) -> int:
+    return sum(math.prod(x.shape) for x in jax.tree.leaves(_abstract_params(cfg)))
+
+
 def weight_bytes_per_device(cfg: ModelConfig, dtype, tp: int, ep: int) -> int:
     """Bytes of the largest shard set one device holds, from abstract shapes alone."""
-    from qwen_jax.weights import abstract_model
     mesh = _MeshShape({"data": 1, "expert": ep, "model": tp})
     total = 0
-    for path, var in nnx.to_flat_state(nnx.state(abstract_model(cfg, dtype), nnx.Param)):
+    for path, var in nnx.to_flat_state(_abstract_params(cfg, dtype)):
         shape = var.get_value().shape
         spec = spec_for(param_logical_axes(path), shape, mesh, cfg.num_key_value_heads)
         factor = math.prod(mesh.shape[a] for a in spec if a is not None)
@@ -66,15 +86,11 @@ def plan_memory(cfg: ModelConfig, *, dtype="bfloat16", tensor_parallel_size: int
                 gpu_memory_utilization: float = 0.9, block_size: int = 16,
                 kv_cache_dtype=None) -> MemoryPlan:
     """Raise ValueError (with the numbers) when the weights leave no room for the cache."""
-    from qwen_jax.weights import resolve_dtype
     dtype = resolve_dtype(dtype)
     tp, ep = tensor_parallel_size, expert_parallel_size
     weights = weight_bytes_per_device(cfg, dtype, tp, ep)
     usable = int(device_memory_bytes * gpu_memory_utilization)
-    heads = cfg.num_key_value_heads * kv_replication(cfg.num_key_value_heads,
-                                                    _MeshShape({"model": tp})) // tp
-    per_page = (2 * cfg.num_hidden_layers * block_size * max(heads, 1) * cfg.head_dim
-                * _itemsize(kv_cache_dtype or dtype))
+    per_page = kv_bytes_per_page(cfg, block_size, kv_cache_dtype or dtype, tp)
     num_pages = (usable - weights) // per_page
     if num_pages < 1:
         raise ValueError(

@@ -1,38 +1,30 @@
 """HF safetensors -> model params, read lazily one layer's tensor at a time; dummy init.
 
 Peak host memory stays near one tensor of one layer: stacked device buffers are allocated
-once and each layer's slice is written in place by a donated update.
+once and each layer's slice is written in place by a donated update. The model class comes
+from the caller (`Qwen3ForCausalLM.from_pretrained` passes its `cls`): this module never
+imports model.py, which imports it.
 """
 
 from __future__ import annotations
 
 import functools
+import typing
 from pathlib import Path
 
 import jax
 import jax.numpy as jnp
 import numpy as np
 from flax import nnx
-
 from jax.sharding import NamedSharding
 from jax.sharding import PartitionSpec as P
 
-from qwen_jax import sharding
+from qwen_jax import checkpoint, sharding
 from qwen_jax.config import PRESET_DIR, ModelConfig
 from qwen_jax.layers import INIT_STD
-from qwen_jax.model import Qwen3ForCausalLM
+from qwen_jax.options import LOAD_FORMATS
+from qwen_jax.params import abstract_model, init_buffers, resolve_dtype
 from qwen_jax.safetensors_io import CheckpointReader
-
-_DTYPES = {"float32": jnp.float32, "bfloat16": jnp.bfloat16, "float16": jnp.float16}
-
-
-def resolve_dtype(dtype) -> jnp.dtype:
-    if isinstance(dtype, str):
-        if dtype not in _DTYPES:
-            raise ValueError(f"dtype must be one of {', '.join(_DTYPES)}, got {dtype!r}")
-        return _DTYPES[dtype]
-    return jnp.dtype(dtype)
-
 
 ASSETS_DIR = Path(__file__).resolve().parent / "assets"
 DEFAULT_MODEL_DIR = ASSETS_DIR / "tiny-qwen3-moe"  # what LLM() and `qwen-jax serve` load
@@ -58,29 +50,29 @@ def resolve_model_path(model: str | Path) -> Path:
                      f"{', '.join(list_models())}")
 
 
-def load_model(model, dtype="float32", *, impl=None, load_format="auto", seed=0, mesh=None):
-    """Build a Qwen3ForCausalLM from a checkpoint dir (safetensors or orbax) or a preset."""
+def load_model(model, dtype="float32", *, model_cls, impl=None, load_format="auto", seed=0,
+               mesh=None):
+    """A `model_cls` from a checkpoint dir (safetensors or orbax) or a preset (dummy)."""
     path = resolve_model_path(model)
     cfg = ModelConfig.from_hf(path)
     dtype = resolve_dtype(dtype)
-    if load_format not in ("auto", "dummy", "safetensors", "orbax"):
-        raise ValueError(f"load_format must be auto, dummy, safetensors or orbax, got {load_format!r}")
+    if load_format not in LOAD_FORMATS:
+        raise ValueError(f"load_format must be one of {', '.join(LOAD_FORMATS)}, "
+                         f"got {load_format!r}")
     if load_format == "dummy" or path.is_file():
-        return init_dummy(cfg, dtype, impl=impl, seed=seed, mesh=mesh)
-    from qwen_jax import checkpoint
+        return init_dummy(cfg, dtype, model_cls=model_cls, impl=impl, seed=seed, mesh=mesh)
     if load_format == "orbax" or (load_format == "auto" and checkpoint.is_orbax_checkpoint(path)):
-        return checkpoint.restore(path, dtype=dtype, impl=impl, mesh=mesh)
-    return load_safetensors(path, cfg, dtype, impl=impl, mesh=mesh)
+        return checkpoint.restore(path, model_cls=model_cls, dtype=dtype, impl=impl, mesh=mesh)
+    return load_safetensors(path, cfg, dtype, model_cls=model_cls, impl=impl, mesh=mesh)
 
 
-def init_dummy(cfg: ModelConfig, dtype=jnp.float32, *, impl=None, seed=0, mesh=None
-               ) -> Qwen3ForCausalLM:
+def init_dummy(cfg: ModelConfig, dtype=jnp.float32, *, model_cls, impl=None, seed=0, mesh=None):
     """Random params built directly on device (vLLM's load_format=dummy); under a mesh each
     parameter is generated straight into its shards."""
     dtype = resolve_dtype(dtype)
     if mesh is None:
-        return Qwen3ForCausalLM(cfg, dtype=dtype, rngs=nnx.Rngs(seed), impl=impl)
-    graphdef, state = nnx.split(abstract_model(cfg, dtype, impl, mesh))
+        return model_cls(cfg, dtype=dtype, rngs=nnx.Rngs(seed), impl=impl)
+    graphdef, state = nnx.split(abstract_model(cfg, dtype, impl, mesh, model_cls=model_cls))
     key = jax.random.key(seed)
     for i, (path, var) in enumerate(nnx.to_flat_state(state)):
         if not isinstance(var, nnx.Param):
@@ -90,7 +82,7 @@ def init_dummy(cfg: ModelConfig, dtype=jnp.float32, *, impl=None, seed=0, mesh=N
         is_norm = path[-1] == "weight" and "norm" in str(path[-2])
         make = functools.partial(_dummy_param, shape=shape, dtype=dtype, ones=is_norm)
         var.set_value(jax.jit(make, out_shardings=target)(jax.random.fold_in(key, i)))
-    _restore_buffers(state, cfg)
+    init_buffers(state, cfg)
     return nnx.merge(graphdef, state)
 
 
@@ -98,18 +90,6 @@ def _dummy_param(key, *, shape, dtype, ones):
     if ones:
         return jnp.ones(shape, dtype)
     return jax.random.normal(key, shape, dtype) * jnp.asarray(INIT_STD, dtype)
-
-
-def abstract_model(cfg: ModelConfig, dtype=jnp.float32, impl=None, mesh=None
-                   ) -> Qwen3ForCausalLM:
-    """The model with ShapeDtypeStruct leaves: shapes without memory."""
-    return nnx.eval_shape(lambda: Qwen3ForCausalLM(cfg, dtype=resolve_dtype(dtype), impl=impl,
-                                                   mesh=mesh))
-
-
-def param_count(cfg: ModelConfig) -> int:
-    state = nnx.state(abstract_model(cfg), nnx.Param)
-    return sum(int(np.prod(x.shape)) for x in jax.tree.leaves(state))
 
 
 # ---- HF name table ---------------------------------------------------------------------
@@ -201,10 +181,9 @@ def _to_device(host, sharding, dtype):
         tuple(host.shape), sharding, lambda index: np.asarray(host[index]).astype(dtype))
 
 
-def load_safetensors(directory, cfg: ModelConfig, dtype, *, impl=None, mesh=None
-                     ) -> Qwen3ForCausalLM:
+def load_safetensors(directory, cfg: ModelConfig, dtype, *, model_cls, impl=None, mesh=None):
     reader = CheckpointReader(directory)
-    model = abstract_model(cfg, dtype, impl, mesh)
+    model = abstract_model(cfg, dtype, impl, mesh, model_cls=model_cls)
     graphdef, state = nnx.split(model)
     for path, var in nnx.to_flat_state(state):
         if not isinstance(var, nnx.Param):
@@ -212,7 +191,7 @@ def load_safetensors(directory, cfg: ModelConfig, dtype, *, impl=None, mesh=None
         shape, vdtype = var.get_value().shape, var.get_value().dtype
         target = None if mesh is None else sharding.param_sharding(path, shape, mesh, cfg)
         if path[0] == "segments":
-            seg, sub = path[1], tuple(path[2:])
+            seg, sub = typing.cast(int, path[1]), tuple(str(p) for p in path[2:])
             _, first, count = cfg.segments[seg]
             layer_target = None if target is None else NamedSharding(mesh, P(*target.spec[1:]))
             buffer = sharding.zeros(shape, vdtype, target)
@@ -221,14 +200,7 @@ def load_safetensors(directory, cfg: ModelConfig, dtype, *, impl=None, mesh=None
                 buffer = _set_layer(buffer, _to_device(host, layer_target, vdtype), j)
             var.set_value(buffer)
         else:
-            host = hf_global_tensor(reader, cfg, tuple(path), shape)
+            host = hf_global_tensor(reader, cfg, tuple(str(p) for p in path), shape)
             var.set_value(_to_device(host, target, vdtype))
-    _restore_buffers(state, cfg)
+    init_buffers(state, cfg)
     return nnx.merge(graphdef, state)
-
-
-def _restore_buffers(state, cfg: ModelConfig) -> None:
-    """Non-Param variables (the RoPE table) are derived from the config, not loaded."""
-    for path, var in nnx.to_flat_state(state):
-        if path == ("rope_inv_freq",):
-            var.set_value(jnp.asarray(cfg.rope_inv_freq_and_scale[0]))

@@ -19,7 +19,9 @@ import jax
 import jax.numpy as jnp
 from jax.experimental import pallas as pl
 from jax.experimental.pallas import triton as pltriton
+from jax.typing import ArrayLike
 
+from pallas_kernels.array_types import Array, Float, Int
 from pallas_kernels.grouped_matmul import tuning
 from pallas_kernels.grouped_matmul.plan import GroupPlan, group_ends_of, plan_groups
 
@@ -134,9 +136,11 @@ def _check_blocks(block_m, block_k, block_n, depth, width):
 
 @functools.partial(jax.jit, static_argnames=(
     "interpret", "block_m", "block_k", "block_n", "num_warps", "num_stages"))
-def grouped_matmul(lhs, rhs, group_sizes=None, *, plan: GroupPlan | None = None, layer=None,
-                   lhs_rows=None, out_rows=None, interpret=False, block_m=None,
-                   block_k=None, block_n=None, num_warps=None, num_stages=None):
+def grouped_matmul(lhs: Float[ArrayLike, "Mlhs Din"], rhs: Float[ArrayLike, "*layers G Din Dout"],
+                   group_sizes: Int[ArrayLike, " G"] | None = None, *,
+                   plan: GroupPlan | None = None, layer=None, lhs_rows=None, out_rows=None,
+                   interpret=False, block_m=None, block_k=None, block_n=None, num_warps=None,
+                   num_stages=None) -> Float[Array, "M Dout"]:
     """lhs [M, K] (rows sorted by group) times rhs [G, K, N] per group -> [M, N].
 
     Same contract as `grouped_matmul_reference` (jax.lax.ragged_dot): fp32

@@ -110,7 +110,8 @@ def stacked_matmul(x, weights, layer, *, out_dtype=None, interpret=False, block_
     precision = (jax.lax.Precision.HIGHEST if x.dtype == jnp.float32
                  else jax.lax.Precision.DEFAULT)
     kernel = functools.partial(_stacked_matmul_kernel, bounds=tuple(bounds),
-                               offsets=tuple(offsets[:-1]), block_m=block_m, block_k=block_k, block_n=block_n,
+                               offsets=tuple(offsets[:-1]), block_m=block_m, block_k=block_k,
+                               block_n=block_n,
                                precision=precision)
     return pl.pallas_call(
         kernel,
