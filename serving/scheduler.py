@@ -30,6 +30,7 @@ class ScheduledSeq:
     num_new_tokens: int
     start: int  # num_computed_tokens before the step: positions start..start+num_new-1
     samples: bool  # the chunk reaches the end of the sequence, so a token is sampled
+    admitted: bool = False  # admitted from the waiting queue by this step (new or resumed)
 
 
 @dataclasses.dataclass
@@ -44,6 +45,10 @@ class SchedulerOutput:
     @property
     def num_seqs(self) -> int:
         return len(self.scheduled)
+
+    @property
+    def num_admitted(self) -> int:
+        return sum(s.admitted for s in self.scheduled)
 
     @property
     def is_empty(self) -> bool:
@@ -177,7 +182,7 @@ class Scheduler:
                 break
             self.waiting.popleft()
             self._admit(request, num_cached)
-            step.add(request, num_new, num_cached)
+            step.add(request, num_new, num_cached, admitted=True)
 
     def _admit(self, request: Request, num_cached: int) -> None:
         request.status = RequestStatus.RUNNING
@@ -231,9 +236,10 @@ class _Step:
         self.scheduled: dict[str, ScheduledSeq] = {}  # insertion order = batch order
         self.preempted: list[str] = []
 
-    def add(self, request: Request, num_new: int, start: int) -> None:
+    def add(self, request: Request, num_new: int, start: int, admitted: bool = False) -> None:
         samples = start + num_new == request.num_tokens
-        self.scheduled[request.request_id] = ScheduledSeq(request, num_new, start, samples)
+        self.scheduled[request.request_id] = ScheduledSeq(request, num_new, start, samples,
+                                                          admitted)
         self.budget -= num_new
 
     def unschedule(self, request: Request) -> None:
