@@ -2,6 +2,13 @@
 
 Only the engine thread touches the engine: callers submit commands (add, abort) through a
 queue and await their result, and outputs come back on per-request asyncio queues.
+
+Failures come in two kinds. A step that raises leaves the device state untrusted (the KV
+cache was donated to the failed call) and the scheduler mid-step, so the engine is dead:
+every stream and every later call gets `EngineDeadError` and `dead_listeners` are told, so
+a server can report it and exit for its supervisor to restart it (vLLM's behaviour). A
+failure confined to one request's output (the engine ends it with finish_reason "error")
+raises `RequestFailedError` in that request's stream only.
 """
 
 from __future__ import annotations
@@ -22,7 +29,11 @@ logger = logging.getLogger(__name__)
 
 
 class EngineDeadError(RuntimeError):
-    pass
+    """The engine loop stopped after a failed step; nothing more will run."""
+
+
+class RequestFailedError(RuntimeError):
+    """The engine failed this one request; it goes on serving the others."""
 
 
 class AsyncLLM:
@@ -42,6 +53,8 @@ class AsyncLLM:
         self.dead: BaseException | None = None
         # Called on the engine thread after every step with (step stats, outputs).
         self.step_listeners: list[Callable[[dict, list[RequestOutput]], None]] = []
+        # Called once, on the engine thread, with the exception that killed the engine.
+        self.dead_listeners: list[Callable[[BaseException], None]] = []
         self._stats = self.engine.stats()
         self._thread = threading.Thread(target=self._loop, name="qwen-jax-engine", daemon=True)
         self._thread.start()
@@ -76,6 +89,9 @@ class AsyncLLM:
                 if isinstance(item, BaseException):
                     finished = True
                     raise item
+                if item.error is not None:
+                    finished = True
+                    raise RequestFailedError(f"request {request_id} failed: {item.error}")
                 finished = item.finished
                 yield item
                 if finished:
@@ -114,7 +130,7 @@ class AsyncLLM:
     def _submit(self, fn, *args, **kwargs) -> concurrent.futures.Future:
         future: concurrent.futures.Future = concurrent.futures.Future()
         if self.dead is not None:
-            future.set_exception(EngineDeadError(f"engine loop died: {self.dead!r}"))
+            future.set_exception(self._dead_error())
             return future
         self._commands.put((fn, args, kwargs, future))
         self._wake.set()
@@ -127,14 +143,13 @@ class AsyncLLM:
         while self._running:
             self._wake.clear()
             self._run_commands()
-            if not self.engine.has_unfinished_requests():
+            if self.dead is not None or not self.engine.has_unfinished_requests():
                 self._wake.wait(timeout=1.0)
                 continue
             try:
                 outputs = self.engine.step()
             except Exception as exc:  # a failed step must not leave callers hanging
-                logger.exception("engine step failed")
-                self._fail_all(exc)
+                self._die(exc)
                 continue
             self._stats = self.engine.stats()
             for output in outputs:
@@ -148,6 +163,9 @@ class AsyncLLM:
                 fn, args, kwargs, future = self._commands.get_nowait()
             except queue.Empty:
                 break
+            if self.dead is not None:  # queued before the engine died: nothing will run
+                future.set_exception(self._dead_error())
+                continue
             try:
                 future.set_result(fn(*args, **kwargs))
             except Exception as exc:
@@ -160,7 +178,14 @@ class AsyncLLM:
             loop, stream = target
             loop.call_soon_threadsafe(stream.put_nowait, item)
 
-    def _fail_all(self, exc: Exception) -> None:
-        for request_id in self.engine.request_ids():
-            self.engine.abort(request_id)
-            self._deliver(request_id, RuntimeError(f"engine step failed: {exc}"))
+    def _dead_error(self) -> EngineDeadError:
+        return EngineDeadError(f"engine is dead after a failed step ({self.dead!r}); the "
+                               "server must be restarted")
+
+    def _die(self, exc: Exception) -> None:
+        logger.critical("engine step failed; the engine is dead", exc_info=exc)
+        self.dead = exc
+        for request_id in list(self._streams):
+            self._deliver(request_id, self._dead_error())
+        for listener in self.dead_listeners:
+            listener(exc)

@@ -154,6 +154,13 @@ def _add_serve(subparsers) -> None:
                    help="split a thinking model's chat replies: <think>...</think> goes to "
                         "message.reasoning_content (delta.reasoning_content when streamed), "
                         "the rest to content (default: none, all in content)")
+    p.add_argument("--allowed-origins", nargs="+", default=None, metavar="ORIGIN",
+                   help="CORS: origins browsers may call the API from (e.g. "
+                        "https://app.example.com; '*' for any; a JSON list as vLLM takes "
+                        "works too); default none, no CORS headers")
+    p.add_argument("--metrics-prefix", default="qwen_jax", choices=("qwen_jax", "vllm"),
+                   help="name /metrics with vLLM's names (vllm:...) so vLLM dashboards and "
+                        "autoscalers work unchanged (default: qwen_jax:...)")
     add_engine_args(p)
     p.set_defaults(func=_run_serve)
 

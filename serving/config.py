@@ -11,6 +11,7 @@ from serving.buckets import MIN_SEQ_BUCKET, make_buckets, make_token_buckets
 from serving.reasoning import reasoning_parser_class
 
 POLICIES = ("fcfs", "priority")
+METRICS_PREFIXES = ("qwen_jax", "vllm")  # vllm: vLLM's metric names, for its dashboards
 
 
 def _normalise_buckets(name: str, buckets, limit_name: str, limit: int) -> tuple[int, ...] | None:
@@ -112,11 +113,16 @@ class ServerConfig:
     log_interval: float = 10.0  # seconds between throughput lines; 0 disables
     retry_after: int = 1  # seconds, sent with 503 when the waiting queue is full
     reasoning_parser: str | None = None  # e.g. "qwen3": chat replies split out reasoning_content
+    allowed_origins: tuple[str, ...] = ()  # CORS: origins browsers may call from; "*" any
+    metrics_prefix: str = "qwen_jax"
 
     def __post_init__(self) -> None:
         require(0 <= self.port <= 65535, "port", self.port, "in [0, 65535]")
         require(self.max_request_body_mb > 0, "max_request_body_mb", self.max_request_body_mb,
                 "> 0")
         require(self.shutdown_timeout >= 0, "shutdown_timeout", self.shutdown_timeout, ">= 0")
+        require(self.metrics_prefix in METRICS_PREFIXES, "metrics_prefix", self.metrics_prefix,
+                f"one of {', '.join(METRICS_PREFIXES)}")
+        object.__setattr__(self, "allowed_origins", tuple(self.allowed_origins))
         if self.reasoning_parser is not None:
             reasoning_parser_class(self.reasoning_parser)

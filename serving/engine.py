@@ -24,7 +24,7 @@ from serving.detokenizer import IncrementalDetokenizer
 from serving.engine_config import EngineConfig
 from serving.kv_cache_manager import KVCacheManager
 from serving.output_processor import OutputProcessor, ParentState, SeqState
-from serving.request import Request, RequestOutput, SamplingParams
+from serving.request import Request, RequestOutput, RequestStatus, SamplingParams
 from serving.runner import (
     ModelRunner,
     StepInputs,
@@ -32,7 +32,8 @@ from serving.runner import (
     enable_compilation_cache,
 )
 from serving.sampler import NUM_BLOCKED, SamplingEntry, build_sampling_arrays, uses_penalties
-from serving.scheduler import Scheduler
+from serving.scheduler import Scheduler, SchedulerOutput
+from serving.step_cost import StepShape
 
 logger = logging.getLogger(__name__)
 DEFAULT_MAX_MODEL_LEN = 4096
@@ -108,6 +109,7 @@ class LLMEngine:
         max_pages = 1 + sched.max_num_seqs * self.pages_per_seq
         self.bytes_per_page = kv_bytes_per_page(self.model_config, self.page_size, dtype,
                                                 tp_size(self.mesh))
+        self.kv_cache_dtype = dtype
         self.num_pages = kv_cache.num_pages_to_allocate(cache, self.bytes_per_page, max_pages)
         caches = kv_cache.allocate(self.model, self.num_pages, self.page_size, dtype)
         self.kv_manager = KVCacheManager(self.num_pages, self.page_size,
@@ -120,6 +122,11 @@ class LLMEngine:
     @property
     def max_model_len(self) -> int:
         return self.scheduler_config.resolved_max_model_len
+
+    @property
+    def devices(self) -> list:
+        """The devices this replica runs on."""
+        return [jax.devices()[0]] if self.mesh is None else list(self.mesh.devices.flat)
 
     @property
     def kv_capacity_tokens(self) -> int:
@@ -247,7 +254,8 @@ class LLMEngine:
         result = self.runner.execute(inputs, sampling)
         self.last_step = {"num_tokens": batch.num_tokens, "num_seqs": out.num_seqs,
                           "bucket": batch.bucket, "seconds": time.perf_counter() - started,
-                          "num_preempted": len(out.preempted)}
+                          "num_preempted": len(out.preempted),
+                          "num_admitted": out.num_admitted, "shape": _step_shape(out)}
         self.scheduler.update_after_step(out)
         touched: dict[str, ParentState] = {}
         for row, scheduled in enumerate(out.scheduled):
@@ -255,13 +263,34 @@ class LLMEngine:
             seq = self._seqs.get(request.request_id)
             if not scheduled.samples or seq is None or request.is_finished:
                 continue
-            status = self.output_processor.append(seq, result, row,
-                                                  self.scheduler.is_length_capped)
+            try:
+                status = self._append(seq, result, row)
+            except Exception as exc:  # one sequence's data: the cache and the rest are intact
+                self._fail(self._parents[seq.parent_id], exc)
+                touched[seq.parent_id] = self._parents[seq.parent_id]
+                continue
             if status is not None:
                 self.scheduler.finish(request.request_id, status)
             touched[seq.parent_id] = self._parents[seq.parent_id]
         return [self._emit(parent) for parent in touched.values()
                 if parent.stream or parent.finished]
+
+    def _append(self, seq: SeqState, result, row: int) -> RequestStatus | None:
+        token = int(result.token_ids[row])
+        vocab = self.model_config.vocab_size
+        if not 0 <= token < vocab:
+            raise ValueError(f"sampled token id {token} for {seq.request.request_id!r} is "
+                             f"outside the vocabulary [0, {vocab})")
+        return self.output_processor.append(seq, result, row, self.scheduler.is_length_capped)
+
+    def _fail(self, parent: ParentState, exc: Exception) -> None:
+        """End a request whose own output could not be processed: its final output carries
+        the error (finish_reason "error"); the other requests of the step go on."""
+        logger.error("request %s failed: %r", parent.request_id, exc)
+        parent.error = f"{type(exc).__name__}: {exc}"
+        for child in parent.children:
+            if not child.request.is_finished:
+                self.scheduler.finish(child.request.request_id, RequestStatus.FINISHED_ERROR)
 
     def _sampling_entry(self, request: Request) -> SamplingEntry:
         seq = self._seqs[request.request_id]
@@ -297,3 +326,9 @@ class LLMEngine:
             "bytes_per_page": self.bytes_per_page,
             "kv_capacity_tokens": self.kv_capacity_tokens,
         }
+
+
+def _step_shape(out: SchedulerOutput) -> StepShape:
+    """Each scheduled sequence's new tokens and its context once they are written."""
+    return StepShape(query_lens=tuple(s.num_new_tokens for s in out.scheduled),
+                     context_lens=tuple(s.start + s.num_new_tokens for s in out.scheduled))

@@ -49,6 +49,7 @@ class ParentState:
     children: list[SeqState]
     stream: bool = True  # False: only the final output is built (offline generate)
     prompt_logprobs: list | None = None
+    error: str | None = None  # why the engine failed this request (finish_reason "error")
 
     @property
     def finished(self) -> bool:
@@ -141,4 +142,4 @@ class OutputProcessor:
             request_id=parent.request_id, prompt=parent.prompt,
             prompt_token_ids=parent.prompt_token_ids, prompt_logprobs=parent.prompt_logprobs,
             outputs=[self.completion(c) for c in parent.children], finished=parent.finished,
-            metrics=first.metrics)
+            metrics=first.metrics, error=parent.error)

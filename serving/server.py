@@ -1,6 +1,8 @@
 """The HTTP server: OpenAI-compatible routes (aiohttp) over `AsyncLLM`, and `qwen-jax serve`
 (start-up report, serve until SIGTERM/SIGINT, then drain: stop accepting, let in-flight
-requests finish within the timeout, abort the rest, exit 0).
+requests finish within the timeout, abort the rest, exit 0). When a failed step kills the
+engine, in-flight and new requests get a 500 and /health a 503; once those responses are
+out the server exits 1, for its supervisor to restart it.
 
 Parsing and response shapes live in `openai_protocol`; generation lives in the engine. A
 client that disconnects cancels its handler (`handler_cancellation=True`), which closes
@@ -10,7 +12,6 @@ the request's streams and so aborts it in the engine at once.
 from __future__ import annotations
 
 import asyncio
-import hmac
 import logging
 import os
 import signal
@@ -20,10 +21,11 @@ from pathlib import Path
 
 from aiohttp import web
 
+from serving import http_policy
 from serving import openai_protocol as proto
-from serving.async_llm import AsyncLLM
+from serving.async_llm import AsyncLLM, EngineDeadError, RequestFailedError
 from serving.config import ServerConfig
-from serving.metrics import CONTENT_TYPE, Metrics
+from serving.metrics import CONTENT_TYPE, log_throughput, metrics_for
 from serving.openai_outputs import Job, merge, sse
 from serving.openai_protocol import APIError
 from serving.reasoning import reasoning_parser_class
@@ -31,6 +33,7 @@ from serving.scheduler import QueueFullError
 
 logger = logging.getLogger("qwen_jax.server")
 LOG = web.RequestKey("log", dict)
+REQUEST_ID = web.RequestKey("request_id", str)
 
 
 def json_error(status: int, message: str, param: str | None = None,
@@ -49,18 +52,32 @@ class OpenAIServer:
         self.vocab_size = engine.model_config.vocab_size
         self.tokenizer = llm.tokenizer
         self.max_body = int(config.max_request_body_mb * 2**20)
-        self.metrics = Metrics(llm, self.model_name)
+        self.metrics = metrics_for(llm, self.model_name, config.metrics_prefix)
         self.reasoning_parser = (reasoning_parser_class(config.reasoning_parser)
                                  if config.reasoning_parser else None)
         self.draining = False
+        self.num_active = 0  # handlers running: a dead engine's server exits once it is 0
         self.created = int(time.time())
 
     # ---- plumbing ----------------------------------------------------------------------
     @web.middleware
     async def middleware(self, request: web.Request, handler):
         started = time.perf_counter()
-        request[LOG] = {}
+        self.num_active += 1
         try:
+            return await self._handle(request, handler, started)
+        finally:
+            self.num_active -= 1
+
+    async def _handle(self, request: web.Request, handler, started: float):
+        try:
+            request[REQUEST_ID], bad_id = http_policy.request_id(request.headers), None
+        except ValueError as exc:  # answered with a fresh id
+            request[REQUEST_ID], bad_id = uuid.uuid4().hex, exc
+        request[LOG] = {"request_id": request[REQUEST_ID]}
+        try:
+            if bad_id is not None:
+                raise APIError(400, str(bad_id), param=http_policy.REQUEST_ID_HEADER)
             response = await self._guarded(request, handler)
         except APIError as exc:
             response = json_error(exc.status, exc.message, exc.param, exc.headers)
@@ -72,19 +89,33 @@ class OpenAIServer:
         except (asyncio.CancelledError, ConnectionError):
             request[LOG]["status"] = "disconnected"
             self._log_request(request, started)
+            self.metrics.http_responses.labels(self.model_name, "499").inc()
             raise
         except Exception:
             logger.exception("internal error on %s %s", request.method, request.path)
             response = json_error(500, "internal server error")
         request[LOG].setdefault("status", response.status)
         self._log_request(request, started)
+        self.metrics.http_responses.labels(self.model_name, str(response.status)).inc()
         return response
+
+    async def on_response_prepare(self, request: web.Request, response) -> None:
+        """Headers every response carries, streamed ones too (set before they are sent)."""
+        if REQUEST_ID in request:
+            response.headers[http_policy.REQUEST_ID_HEADER] = request[REQUEST_ID]
+        response.headers.update(http_policy.cors_headers(request.headers.get("Origin"),
+                                                         self.config.allowed_origins))
 
     async def _guarded(self, request: web.Request, handler):
         path = request.path
+        if request.method == "OPTIONS" and "Access-Control-Request-Method" in request.headers:
+            return self._preflight(request)  # browsers send no credentials here
         key = self.config.api_key
         if key and path.startswith(("/v1", "/tokenize", "/detokenize")):
             self._check_api_key(request, key)
+        if self.llm.dead is not None and path not in ("/health", "/metrics"):
+            raise APIError(500, f"engine is dead ({self.llm.dead!r}); the server is exiting "
+                                "for its supervisor to restart it")
         if self.draining and path not in ("/health", "/metrics"):
             raise APIError(503, "server is shutting down",
                            headers={"Retry-After": str(self.config.retry_after)})
@@ -95,10 +126,18 @@ class OpenAIServer:
 
     @staticmethod
     def _check_api_key(request: web.Request, key: str) -> None:
-        header = request.headers.get("Authorization", "")
-        token = header[7:] if header.lower().startswith("bearer ") else ""
-        if not hmac.compare_digest(token.encode(), key.encode()):
+        if not http_policy.api_key_matches(request.headers.get("Authorization", ""), key):
             raise APIError(401, "missing or invalid API key (Authorization: Bearer <key>)")
+
+    def _preflight(self, request: web.Request) -> web.Response:
+        origin = request.headers.get("Origin")
+        headers = http_policy.preflight_headers(
+            origin, self.config.allowed_origins,
+            request.headers.get("Access-Control-Request-Headers"))
+        if headers is None:
+            raise APIError(403, f"origin {origin!r} is not allowed (--allowed-origins)",
+                           param="Origin")
+        return web.Response(status=204, headers=headers)
 
     def _log_request(self, request: web.Request, started: float) -> None:
         info = request[LOG]
@@ -169,12 +208,14 @@ class OpenAIServer:
                                     "token", param=prompt_param)
         params = [proto.sampling_params(req, len(ids), self.max_model_len, prompt_param)
                   for ids in prompts]
-        job = Job(kind=kind, request_id=f"{kind}-{uuid.uuid4().hex}", model=self.model_name,
+        job = Job(kind=kind, request_id=f"{kind}-{request[REQUEST_ID]}", model=self.model_name,
                   req=req, prompts=prompts, params=params, metrics=self.metrics,
                   reasoning_parser=self.reasoning_parser if kind == "chatcmpl" else None)
-        request[LOG].update(id=job.request_id, prompt_tokens=sum(map(len, prompts)))
+        request[LOG].update(prompt_tokens=sum(map(len, prompts)))
+        # Engine ids stay unique even when clients reuse an X-Request-Id.
+        engine_id = f"{job.request_id}-{uuid.uuid4().hex[:8]}"
         gens = [self.llm.generate({"prompt_token_ids": ids}, p,
-                                  request_id=f"{job.request_id}-{i}", priority=req.priority)
+                                  request_id=f"{engine_id}-{i}", priority=req.priority)
                 for i, (ids, p) in enumerate(zip(prompts, params))]
         outputs = merge(gens)
         try:
@@ -198,6 +239,8 @@ class OpenAIServer:
         except QueueFullError as exc:
             raise APIError(503, f"server overloaded: {exc}; retry later",
                            headers={"Retry-After": str(self.config.retry_after)}) from None
+        except (EngineDeadError, RequestFailedError) as exc:
+            raise APIError(500, str(exc)) from None
         except ValueError as exc:
             raise APIError(400, str(exc)) from None
 
@@ -268,30 +311,13 @@ class OpenAIServer:
 
     # ---- background ------------------------------------------------------------------
     async def log_throughput(self, app: web.Application):
-        task = asyncio.create_task(self._throughput_loop()) if self.config.log_interval else None
+        task = (asyncio.create_task(log_throughput(self.metrics, self.llm, self.config.log_interval,
+                                                   logger)) if self.config.log_interval else None)
         self.llm.step_listeners.append(self.metrics.on_step)
         yield
         self.llm.step_listeners.remove(self.metrics.on_step)
         if task is not None:
             task.cancel()
-
-    async def _throughput_loop(self) -> None:
-        last = (time.monotonic(), self.metrics.num_prompt_tokens,
-                self.metrics.num_generation_tokens)
-        while True:
-            await asyncio.sleep(self.config.log_interval)
-            now = (time.monotonic(), self.metrics.num_prompt_tokens,
-                   self.metrics.num_generation_tokens)
-            s = self.llm.stats()
-            if now[1:] != last[1:] or s["num_running"] or s["num_waiting"]:
-                seconds = now[0] - last[0]
-                logger.info("prompt throughput: %.1f tokens/s, generation throughput: %.1f "
-                            "tokens/s, running: %d reqs, waiting: %d reqs, KV cache usage: "
-                            "%.1f%%, prefix cache hit rate: %.1f%%",
-                            (now[1] - last[1]) / seconds, (now[2] - last[2]) / seconds,
-                            s["num_running"], s["num_waiting"], 100 * s["kv_cache_usage"],
-                            100 * s["prefix_cache_hit_rate"])
-            last = now
 
 
 STATE = web.AppKey("state", OpenAIServer)
@@ -304,6 +330,7 @@ def build_app(llm, config: ServerConfig | None = None) -> web.Application:
     app = web.Application(middlewares=[server.middleware], client_max_size=server.max_body)
     app[STATE] = server
     app.cleanup_ctx.append(server.log_throughput)
+    app.on_response_prepare.append(server.on_response_prepare)
     app.add_routes([
         web.post("/v1/completions", server.completions),
         web.post("/v1/chat/completions", server.chat_completions),
@@ -337,15 +364,38 @@ async def serve(llm, config: ServerConfig) -> int:
     await runner.setup()
     site = web.TCPSite(runner, config.host, config.port)
     await site.start()
-    stop = asyncio.Event()
+    stop, dead = asyncio.Event(), asyncio.Event()
     loop = asyncio.get_running_loop()
     for sig in (signal.SIGTERM, signal.SIGINT):
         loop.add_signal_handler(sig, stop.set)
+    llm.dead_listeners.append(lambda exc: loop.call_soon_threadsafe(dead.set))
+    if llm.dead is not None:
+        dead.set()
     logger.info("serving %s on http://%s:%d", app[STATE].model_name, config.host, config.port)
     print(f"serving on http://{config.host}:{config.port}", flush=True)
-    await stop.wait()
+    waits = [asyncio.create_task(stop.wait()), asyncio.create_task(dead.wait())]
+    await asyncio.wait(waits, return_when=asyncio.FIRST_COMPLETED)
+    for task in waits:
+        task.cancel()
+    if dead.is_set():
+        await exit_dead(app, runner, site, llm, config.shutdown_timeout)
+        return 1
     await drain(app, runner, site, llm, config.shutdown_timeout)
     return 0
+
+
+async def exit_dead(app, runner, site, llm, timeout: float) -> None:
+    """The engine died: let the handlers in flight send their 500s (new requests get one
+    too), then stop; the caller exits non-zero."""
+    logger.critical("engine is dead (%r): answering the requests in flight with 500, then "
+                    "exiting with status 1", llm.dead)
+    server = app[STATE]
+    loop = asyncio.get_running_loop()
+    deadline = loop.time() + timeout
+    while server.num_active and loop.time() < deadline:
+        await asyncio.sleep(0.05)
+    await site.stop()
+    await runner.cleanup()
 
 
 async def drain(app, runner, site, llm, timeout: float) -> None:
@@ -369,7 +419,9 @@ def run(args, engine_kwargs: dict) -> int:
                           served_model_name=args.served_model_name,
                           max_request_body_mb=args.max_request_body_mb,
                           shutdown_timeout=args.shutdown_timeout, log_interval=args.log_interval,
-                          reasoning_parser=args.reasoning_parser)
+                          reasoning_parser=args.reasoning_parser,
+                          allowed_origins=http_policy.parse_origins(args.allowed_origins),
+                          metrics_prefix=args.metrics_prefix)
     started = time.perf_counter()
     llm = AsyncLLM(args.model, **engine_kwargs)
     print(startup_report(llm, time.perf_counter() - started), flush=True)
