@@ -116,7 +116,7 @@ class Job:
         self.created = int(time.time())
         self.n = self.req.sampling["n"]
         self.latest: list[RequestOutput | None] = [None] * len(self.prompts)
-        self.trackers = [self.metrics.tracker() for _ in self.prompts]
+        self.trackers = [self.metrics.tracker(p) for p in self.params]
         self.deltas: dict[int, proto.DeltaTracker] = {}
         self.reasoning: dict[int, Qwen3ReasoningParser] = {}
 
