@@ -114,10 +114,13 @@ def _add_bench(subparsers) -> None:
 
 
 def _run_bench_serve(args) -> int:
-    from serving.bench.load_generator import bench_serve
+    from serving.bench.load_generator import bench_serve, plot_files
     try:
+        if args.plot_results:
+            print(f"plot: {plot_files(args)}")
+            return 0
         report = bench_serve(args)
-    except (ValueError, RuntimeError) as e:
+    except (ValueError, RuntimeError, OSError) as e:
         print(f"bench serve: {e}", file=sys.stderr)
         return 2
     return 0 if report["completed"] else 1

@@ -28,6 +28,7 @@ class RequestResult:
     ttft: float = 0.0  # seconds
     itl: list[float] = dataclasses.field(default_factory=list)
     latency: float = 0.0  # end to end, seconds
+    start: float = 0.0  # when it was sent, seconds into the run
     generated_text: str = ""
     error: str = ""
 
