@@ -140,16 +140,22 @@ class Timeline:
         self.data: dict[str, list] = {"t": [], "in_flight": [], "running": [], "waiting": []}
 
     async def sample(self, session, base_url: str, started: float) -> None:
-        gauges_ok = True
+        query = True
         while True:
-            gauges = await server_gauges(session, base_url) if gauges_ok else None
-            gauges_ok = gauges is not None
-            self.data["t"].append(round(time.perf_counter() - started, 3))
-            self.data["in_flight"].append(self.in_flight)
-            if gauges is not None:
-                self.data["running"].append(gauges["running"])
-                self.data["waiting"].append(gauges["waiting"])
+            query = await self.sample_once(session, base_url, started, query)
             await asyncio.sleep(self.interval)
+
+    async def sample_once(self, session, base_url: str, started: float,
+                          query: bool = True) -> bool:
+        """One sample; returns whether the server answered with its gauges (once it has
+        not, only the client's count is sampled)."""
+        gauges = await server_gauges(session, base_url) if query else None
+        self.data["t"].append(round(time.perf_counter() - started, 3))
+        self.data["in_flight"].append(self.in_flight)
+        if gauges is not None:
+            self.data["running"].append(gauges["running"])
+            self.data["waiting"].append(gauges["waiting"])
+        return gauges is not None
 
     def report(self) -> dict:
         data = dict(self.data)
@@ -197,6 +203,8 @@ async def run_benchmark(requests: list[BenchRequest], *, base_url: str, endpoint
         duration = time.perf_counter() - started
         if sampler is not None:
             sampler.cancel()
+            await timeline.sample_once(session, base_url, started,  # the idle end
+                                       query=bool(timeline.data["running"]))
         for r in results:
             r.start -= started
         return list(results), duration, timeline.report()

@@ -15,7 +15,8 @@ from pathlib import Path
 
 import numpy as np
 
-BIN_S = 1.0  # throughput bins
+NUM_BINS = 50  # throughput bins over the longest run, at least MIN_BIN_S wide
+MIN_BIN_S = 0.05
 
 
 def load_results(paths: Sequence[str], labels: Sequence[str] | None = None
@@ -62,7 +63,12 @@ def token_times(report: dict) -> tuple[np.ndarray, np.ndarray]:
     return np.concatenate(times), np.concatenate(weights)
 
 
-def throughput_series(report: dict, bin_s: float = BIN_S) -> tuple[np.ndarray, np.ndarray]:
+def bin_width(runs: list[tuple[str, dict]]) -> float:
+    longest = max(float(r.get("duration") or 0.0) for _, r in runs)
+    return max(MIN_BIN_S, float(f"{longest / NUM_BINS:.1g}"))
+
+
+def throughput_series(report: dict, bin_s: float) -> tuple[np.ndarray, np.ndarray]:
     """(bin centres, output tokens/s) over the run."""
     times, weights = token_times(report)
     end = max(float(report.get("duration") or 0.0), float(times.max()) if times.size else 0.0)
@@ -77,10 +83,13 @@ def _queue_panel(ax, report: dict, color: str, label: str) -> None:
     timeline = report.get("timeline") or {}
     t = timeline.get("t") or []
     if timeline.get("running"):
-        ax.plot(t, timeline["running"], color=color, label=f"{label} running")
-        ax.plot(t, timeline["waiting"], color=color, linestyle="--", label=f"{label} waiting")
+        ax.plot(t, timeline["running"], color=color, label=f"{label} running",
+                drawstyle="steps-post")
+        ax.plot(t, timeline["waiting"], color=color, linestyle="--", label=f"{label} waiting",
+                drawstyle="steps-post")
     elif timeline.get("in_flight"):
-        ax.plot(t, timeline["in_flight"], color=color, label=f"{label} in flight (client)")
+        ax.plot(t, timeline["in_flight"], color=color, label=f"{label} in flight (client)",
+                drawstyle="steps-post")
 
 
 def require_matplotlib():
@@ -98,18 +107,19 @@ def plot_results(runs: list[tuple[str, dict]], out_path: str) -> str:
     fig, axes = plt.subplots(2, 2, figsize=(12, 8))
     (ttft_ax, itl_ax), (tput_ax, queue_ax) = axes
     colors = plt.rcParams["axes.prop_cycle"].by_key()["color"]
+    bin_s = bin_width(runs)
     for i, (label, report) in enumerate(runs):
         color = colors[i % len(colors)]
         ok = _successes(report)
         _cdf(ttft_ax, [v for v, s in zip(report["ttfts"], ok) if s], label)
         _cdf(itl_ax, [v for gaps, s in zip(report["itls"], ok) if s for v in gaps], label)
-        centres, rate = throughput_series(report)
-        tput_ax.plot(centres, rate, color=color, label=label)
+        centres, rate = throughput_series(report, bin_s)
+        tput_ax.plot(centres, rate, color=color, label=label, drawstyle="steps-mid")
         _queue_panel(queue_ax, report, color, label)
     for ax, title in ((ttft_ax, "TTFT (dotted: median)"), (itl_ax, "Inter-token latency")):
         ax.set(title=title, xlabel="ms", ylabel="fraction of requests" if ax is ttft_ax
                else "fraction of gaps", xscale="log", ylim=(0, 1.02))
-    tput_ax.set(title=f"Output throughput ({BIN_S:g} s bins)", xlabel="s into the run",
+    tput_ax.set(title=f"Output throughput ({bin_s:g} s bins)", xlabel="s into the run",
                 ylabel="tokens/s")
     queue_ax.set(title="Requests running / waiting", xlabel="s into the run",
                  ylabel="requests")

@@ -35,7 +35,7 @@ def test_plot_of_a_run_with_the_servers_gauges(tmp_path, fake_server):
     starts = report["start_times"]
     assert len(starts) == 8 and 0 <= min(starts) and max(starts) < report["duration"]
     # Spreading each request's tokens over its chunks keeps every token.
-    centres, rate = throughput_series(report, bin_s=0.05)
+    centres, rate = throughput_series(report, 0.05)
     assert rate.sum() * 0.05 == pytest.approx(report["total_output_tokens"])
 
 
