@@ -232,6 +232,9 @@ class _BatchRun:
 
     def finish(self, output: RequestOutput, bar) -> None:
         item = self.pending.pop(output.request_id)
+        if output.error is not None:  # the engine failed this line alone; a rerun retries it
+            self.report(item.line_no, item.id, output.error, bar)
+            return
         record = result_record(item, output, time.monotonic())
         self.output.write(record)
         self.counts["completed"] += 1
