@@ -6,7 +6,8 @@ import sys
 MODULES = ["serving.request", "serving.page_pool", "serving.kv_cache_manager",
            "serving.scheduler", "serving.buckets", "serving.batch", "serving.config",
            "serving.reasoning", "serving.detokenizer", "serving.output_processor",
-           "qwen_jax.options", "qwen_jax.validation"]
+           "serving.step_cost", "serving.http_policy", "qwen_jax.options",
+           "qwen_jax.validation"]
 
 
 def test_core_modules_do_not_import_jax():
