@@ -131,6 +131,7 @@ def stage_offline(emit, args, engine):
     rng = np.random.default_rng(1)
     vocab = engine.model_config.vocab_size
     levels = sorted({min(c, 8) for c in args.concurrency}) if args.small else args.concurrency
+    shapes = []
     for concurrency in levels:
         for i in range(concurrency):
             engine.add_request(f"c{concurrency}-{i}", {"prompt_token_ids": rng.integers(
@@ -142,6 +143,7 @@ def stage_offline(emit, args, engine):
             last = engine.last_step
             steps.append((last.get("bucket"), last.get("seconds", 0.0),
                           time.perf_counter() - step_start))
+            shapes.append(last.get("shape"))
         wall = time.perf_counter() - started
         decode = [(run, total) for bucket, run, total in steps if bucket[0] <= decode_tokens]
         median_ms = lambda v: round(float(np.median(v)) * 1e3, 3) if v else None
@@ -150,7 +152,37 @@ def stage_offline(emit, args, engine):
              wall_s=round(wall, 2), steps=len(steps), decode_steps=len(decode),
              decode_execute_ms_p50=median_ms([r for r, _ in decode]),
              decode_host_ms_p50=median_ms([t - r for r, t in decode]),
-             prefill_execute_ms_p50=median_ms([r for b, r, _ in steps if b[0] > decode_tokens]))
+             prefill_execute_ms_p50=median_ms([r for b, r, _ in steps if b[0] > decode_tokens]),
+             **utilisation(engine, steps, shapes, decode_tokens))
+        shapes.clear()
+
+
+def utilisation(engine, steps, shapes, decode_tokens):
+    """Median model FLOP/s and bytes/s of the decode and prefill steps (serving/step_cost.py),
+    and MFU / MBU against the device's datasheet peak where the table knows it."""
+    import numpy as np
+
+    from serving.step_cost import CostModel, device_peak
+    model = CostModel(engine.model_config, np.dtype(engine.model.dtype).itemsize,
+                      np.dtype(engine.kv_cache_dtype).itemsize)
+    peak = device_peak(engine.devices[0].device_kind)
+    out = {"peak": peak.name if peak else None}
+    for kind, chosen in (("decode", lambda t: t <= decode_tokens),
+                         ("prefill", lambda t: t > decode_tokens)):
+        costs = [(model.cost(shape), seconds) for (bucket, seconds, _), shape
+                 in zip(steps, shapes) if shape is not None and seconds > 0
+                 and chosen(bucket[0])]
+        if not costs:
+            continue
+        flops = float(np.median([c.flops / s for c, s in costs]))
+        rate = float(np.median([c.bytes / s for c, s in costs]))
+        out[f"{kind}_tflop_s_p50"] = round(flops / 1e12, 4)
+        out[f"{kind}_gb_s_p50"] = round(rate / 1e9, 3)
+        if peak is not None:
+            devices = len(engine.devices)
+            out[f"{kind}_mfu_p50"] = round(flops / peak.flops(model.param_bytes) / devices, 4)
+            out[f"{kind}_mbu_p50"] = round(rate / peak.memory_bytes_per_s / devices, 4)
+    return out
 
 
 class Watchdog:

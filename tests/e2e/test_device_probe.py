@@ -45,6 +45,9 @@ def test_dry_run_reports_every_stage_in_order(tmp_path):
     offline = by("offline")
     assert [r["concurrency"] for r in offline] == [1, 8]
     assert all(r["output_tok_s"] > 0 and r["decode_steps"] > 0 for r in offline)
+    # Step FLOP/s and bytes/s from the step shapes; a CPU has no peak, so no MFU / MBU.
+    assert all(r["decode_gb_s_p50"] > 0 and r["prefill_tflop_s_p50"] > 0 for r in offline)
+    assert all(r["peak"] is None and "decode_mbu_p50" not in r for r in offline)
 
 
 def test_a_stage_past_its_timeout_leaves_one_line_and_the_next_stage_runs(tmp_path):
