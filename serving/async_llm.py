@@ -112,14 +112,20 @@ class AsyncLLM:
         loop = asyncio.get_running_loop()
         deadline = loop.time() + timeout
         while loop.time() < deadline:
-            if not await self._call(self.engine.has_unfinished_requests):
-                return True
+            try:
+                if not await self._call(self.engine.has_unfinished_requests):
+                    return True
+            except EngineDeadError:  # never idle; its streams have had the error
+                return False
             await asyncio.sleep(0.05)
         return False
 
     async def abort_all(self) -> None:
         for request_id in list(self._streams):
-            await self.abort(request_id)
+            try:
+                await self.abort(request_id)
+            except EngineDeadError:  # its streams have had the error already
+                return
 
     def shutdown(self) -> None:
         self._running = False

@@ -381,7 +381,7 @@ async def serve(llm, config: ServerConfig) -> int:
         await exit_dead(app, runner, site, llm, config.shutdown_timeout)
         return 1
     await drain(app, runner, site, llm, config.shutdown_timeout)
-    return 0
+    return 0 if llm.dead is None else 1  # it may have died while draining
 
 
 async def exit_dead(app, runner, site, llm, timeout: float) -> None:
