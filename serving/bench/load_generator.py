@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import asyncio
+import contextlib
 import json
 import re
 import time
@@ -176,19 +177,14 @@ async def run_benchmark(requests: list[BenchRequest], *, base_url: str, endpoint
     timeline = Timeline(metrics_interval)
     connector = aiohttp.TCPConnector(limit=0, force_close=False)
     async with aiohttp.ClientSession(timeout=TIMEOUT, connector=connector) as session:
-        async def send(request: BenchRequest) -> RequestResult:
-            payload = build_payload(request, model=model, chat=chat, ignore_eos=ignore_eos)
-            timeline.in_flight += 1
-            try:
-                return await send_request(session, url, payload, request, chat, tokenizer)
-            finally:
-                timeline.in_flight -= 1
-
         async def one(request: BenchRequest) -> RequestResult:
-            if limit is None:
-                return await send(request)
-            async with limit:
-                return await send(request)
+            payload = build_payload(request, model=model, chat=chat, ignore_eos=ignore_eos)
+            async with limit or contextlib.nullcontext():
+                timeline.in_flight += 1
+                try:
+                    return await send_request(session, url, payload, request, chat, tokenizer)
+                finally:
+                    timeline.in_flight -= 1
 
         if warmup:  # fail fast on a wrong URL or model name, before timing anything
             probe = await one(requests[0])
