@@ -148,20 +148,23 @@ class AsyncLLM:
     def _loop(self) -> None:
         while self._running:
             self._wake.clear()
-            self._run_commands()
-            if self.dead is not None or not self.engine.has_unfinished_requests():
-                self._wake.wait(timeout=1.0)
-                continue
             try:
+                self._run_commands()
+                if self.dead is not None or not self.engine.has_unfinished_requests():
+                    self._wake.wait(timeout=1.0)
+                    continue
                 outputs = self.engine.step()
-            except Exception as exc:  # a failed step must not leave callers hanging
+            except Exception as exc:  # a failed step, or any other: never a silent death
                 self._die(exc)
                 continue
             self._stats = self.engine.stats()
             for output in outputs:
                 self._deliver(output.request_id, output)
             for listener in self.step_listeners:
-                listener(self.engine.last_step, outputs)
+                try:
+                    listener(self.engine.last_step, outputs)
+                except Exception:  # an observer's bug must not stop the engine
+                    logger.exception("step listener %r failed", listener)
 
     def _run_commands(self) -> None:
         while True:
@@ -169,6 +172,8 @@ class AsyncLLM:
                 fn, args, kwargs, future = self._commands.get_nowait()
             except queue.Empty:
                 break
+            if not future.set_running_or_notify_cancel():
+                continue  # its caller went away (a client disconnect) before it ran
             if self.dead is not None:  # queued before the engine died: nothing will run
                 future.set_exception(self._dead_error())
                 continue
@@ -182,13 +187,19 @@ class AsyncLLM:
         target = self._streams.get(request_id)
         if target is not None:
             loop, stream = target
-            loop.call_soon_threadsafe(stream.put_nowait, item)
+            try:
+                loop.call_soon_threadsafe(stream.put_nowait, item)
+            except RuntimeError:  # its event loop has closed: nobody is left to read it
+                pass
 
     def _dead_error(self) -> EngineDeadError:
         return EngineDeadError(f"engine is dead after a failed step ({self.dead!r}); the "
                                "server must be restarted")
 
     def _die(self, exc: Exception) -> None:
+        if self.dead is not None:
+            logger.exception("engine loop error after its death", exc_info=exc)
+            return
         logger.critical("engine step failed; the engine is dead", exc_info=exc)
         self.dead = exc
         for request_id in list(self._streams):

@@ -94,9 +94,10 @@ class OpenAIServer:
         except Exception:
             logger.exception("internal error on %s %s", request.method, request.path)
             response = json_error(500, "internal server error")
-        request[LOG].setdefault("status", response.status)
+        status = request[LOG].setdefault("status", response.status)
         self._log_request(request, started)
-        self.metrics.http_responses.labels(self.model_name, str(response.status)).inc()
+        code = "499" if status == "disconnected" else str(response.status)
+        self.metrics.http_responses.labels(self.model_name, code).inc()
         return response
 
     async def on_response_prepare(self, request: web.Request, response) -> None:
@@ -247,8 +248,8 @@ class OpenAIServer:
     async def _stream(self, request, job: Job, first, outputs) -> web.StreamResponse:
         response = web.StreamResponse(headers={"Content-Type": "text/event-stream",
                                                "Cache-Control": "no-cache"})
-        await response.prepare(request)
         try:
+            await response.prepare(request)
             for chunk in job.chunks(*first):
                 await response.write(sse(chunk))
             async for index, output in outputs:
@@ -256,8 +257,11 @@ class OpenAIServer:
                     await response.write(sse(chunk))
             if job.req.include_usage:
                 await response.write(sse(job.usage_chunk()))
-        except (asyncio.CancelledError, ConnectionError):
+        except asyncio.CancelledError:
             raise
+        except ConnectionError:  # the client left: aiohttp closes the stream quietly
+            request[LOG]["status"] = "disconnected"
+            return response
         except Exception as exc:  # headers are out: report in-band, then end the stream
             logger.exception("stream %s failed", job.request_id)
             status = exc.status if isinstance(exc, APIError) else 500
