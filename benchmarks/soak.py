@@ -126,8 +126,11 @@ _METRIC = re.compile(r"^qwen_jax:(kv_cache_used_pages|num_requests_running|"
                      r"num_requests_waiting)\{[^}]*\}\s+(\S+)", re.M)
 
 
+PROBE_TIMEOUT = aiohttp.ClientTimeout(total=60)  # our own probes: a hung server fails them
+
+
 async def server_state(session, url: str) -> dict:
-    async with session.get(url + "/metrics") as r:
+    async with session.get(url + "/metrics", timeout=PROBE_TIMEOUT) as r:
         text = await r.text()
     return {name: float(value) for name, value in _METRIC.findall(text)}
 
@@ -154,21 +157,22 @@ def well_formed(rng: np.random.Generator, args) -> tuple[str, dict]:
 
 
 def hostile(rng: np.random.Generator, args) -> tuple[str, bytes]:
-    """A body every OpenAI-compatible server must refuse with a 4xx."""
+    """A body every OpenAI-compatible server must refuse with a 4xx (built only when
+    drawn: one is 9 MB)."""
     ok = {"model": args.model_id, "prompt": "hello", "max_tokens": 4}
+    dumps = lambda **fields: json.dumps({**ok, **fields}).encode()  # noqa: E731
     bodies = [
-        b"{not json", b'{"prompt": "\xff\xfe", "max_tokens": 2}', b"[" * 100_000,
-        json.dumps({**ok, "max_tokens": "ten"}).encode(),
-        json.dumps({**ok, "temperature": -1}).encode(),
-        json.dumps({**ok, "top_p": 2}).encode(), json.dumps({**ok, "logprobs": 100}).encode(),
-        json.dumps({**ok, "model": "no-such-model"}).encode(),
-        json.dumps({**ok, "prompt": "word " * (4 * args.max_model_len)}).encode(),
-        json.dumps({"model": args.model_id, "messages": [], "max_tokens": 2}).encode(),
-        b" " * (9 * 2**20),  # over the default --max-request-body-mb 8
+        lambda: b"{not json", lambda: b'{"prompt": "\xff\xfe", "max_tokens": 2}',
+        lambda: b"[" * 100_000, lambda: dumps(max_tokens="ten"),
+        lambda: dumps(temperature=-1), lambda: dumps(top_p=2), lambda: dumps(logprobs=100),
+        lambda: dumps(model="no-such-model"),
+        lambda: dumps(prompt="word " * (4 * args.max_model_len)),
+        lambda: b" " * (9 * 2**20),  # over the default --max-request-body-mb 8
+        lambda: json.dumps({"model": args.model_id, "messages": [], "max_tokens": 2}).encode(),
     ]
     index = int(rng.integers(len(bodies)))
-    path = "/v1/chat/completions" if index == 9 else "/v1/completions"
-    return path, bodies[index]
+    path = "/v1/chat/completions" if index == len(bodies) - 1 else "/v1/completions"
+    return path, bodies[index]()
 
 
 async def _read_stream(response, cut_after: int | None) -> str:
@@ -263,15 +267,20 @@ class Traffic:
 
 # ---- the phases ------------------------------------------------------------------------
 async def served_model(session, url: str) -> str:
-    async with session.get(url + "/v1/models") as r:
+    async with session.get(url + "/v1/models", timeout=PROBE_TIMEOUT) as r:
         return (await r.json())["data"][0]["id"]
 
 
 async def greedy_answer(session, url: str, model: str) -> str:
-    async with session.post(url + "/v1/chat/completions", json={"model": model, **GREEDY}) as r:
-        body = await r.json()
-        if r.status != 200:
-            raise RuntimeError(f"greedy request failed: {r.status} {body}")
+    """The greedy reply, or why there is none (which then differs from a real reply)."""
+    try:
+        async with session.post(url + "/v1/chat/completions", json={"model": model, **GREEDY},
+                                timeout=PROBE_TIMEOUT) as r:
+            body = await r.json()
+    except (aiohttp.ClientError, asyncio.TimeoutError) as exc:
+        return f"<no answer: {exc!r}>"
+    if r.status != 200:
+        return f"<HTTP {r.status}: {body}>"
     return body["choices"][0]["message"]["content"]
 
 
@@ -294,7 +303,10 @@ class Sampler:
 
     async def run(self, interval: float, started: float) -> None:
         while True:
-            state = await server_state(self.session, self.url)
+            try:
+                state = await server_state(self.session, self.url)
+            except (aiohttp.ClientError, asyncio.TimeoutError):
+                state = {}  # recorded as missing: the checks at the end judge
             self.samples.append({
                 "t": round(time.monotonic() - started, 1), "rss_mb": _mb(rss_bytes(self.pid)),
                 "kv_pages_used": state.get("kv_cache_used_pages"),
@@ -323,7 +335,10 @@ async def soak_phase(traffic: Traffic, rate: float, seconds: float,
 async def wait_idle(session, url: str, timeout: float = 120.0) -> dict:
     deadline = time.monotonic() + timeout
     while True:
-        state = await server_state(session, url)
+        try:
+            state = await server_state(session, url)
+        except (aiohttp.ClientError, asyncio.TimeoutError) as exc:
+            return {"error": repr(exc)}
         if (not state.get("num_requests_running") and not state.get("num_requests_waiting")) \
                 or time.monotonic() > deadline:
             return state
