@@ -266,9 +266,8 @@ class LLMEngine:
             try:
                 status = self._append(seq, result, row)
             except Exception as exc:  # one sequence's data: the cache and the rest are intact
+                status = None
                 self._fail(self._parents[seq.parent_id], exc)
-                touched[seq.parent_id] = self._parents[seq.parent_id]
-                continue
             if status is not None:
                 self.scheduler.finish(request.request_id, status)
             touched[seq.parent_id] = self._parents[seq.parent_id]
