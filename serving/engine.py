@@ -339,6 +339,7 @@ class LLMEngine:
             "num_swap_ins": s.swap.num_swap_ins,
             "num_swapped_requests": s.swap.num_swapped,
             "num_host_pages": s.swap.num_host_pages,
+            "num_used_host_pages": s.swap.num_host_pages - s.swap.num_free_host_pages,
             "swap_space_usage": s.swap.usage,
             "num_recomputed_tokens": s.num_recomputed_tokens,
         }
