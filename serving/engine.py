@@ -330,6 +330,7 @@ class LLMEngine:
 
     def _scheduling_stats(self) -> dict:
         s = self.scheduler
+        s.observe_pressure()  # an idle engine runs no step: its budget is restored here
         return {
             "max_num_batched_tokens": s.max_num_batched_tokens,
             "degraded": int(s.pressure.degraded),

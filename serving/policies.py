@@ -10,8 +10,10 @@ list and nothing is re-sorted as time passes.
 The bound this gives, under any arrival pattern: no request is ever admitted ahead of
 a request that arrived more than `2 * aging_interval` seconds before it (one interval
 for medium ones, none for short ones: short requests are first come, first served).
-So a request waits at most what first come, first served would make it wait had it
-arrived `2 * aging_interval` seconds later.
+Once a request has waited two intervals, only requests that arrived before it can still
+be admitted ahead of it, so no stream of later arrivals starves it. (Admission is in
+strict key order: the queue's head blocks the rest, and a running request is preempted
+for a waiting one only if it ranks below it.)
 
 A queue-wait boost (`boost_wait`, see serving/degradation.py) raises a request by one
 level: under priority its priority value counts one lower, under length-aware its key

@@ -145,8 +145,7 @@ class Scheduler:
         self.waiting.push(request, front)
 
     def schedule(self) -> SchedulerOutput:
-        now = self.clock()
-        self.pressure.observe(now, self.kv.usage)
+        now = self.observe_pressure()
         for request in self.boost.due(now):
             self.waiting.boost(request)
         step = _Step(budget=self.pressure.max_num_batched_tokens)
@@ -158,6 +157,13 @@ class Scheduler:
         return SchedulerOutput(scheduled=list(step.scheduled.values()),
                                preempted=step.preempted, swap_out=step.swap_out,
                                swap_in=step.swap_in, host_pages_freed=self.swap.take_released())
+
+    def observe_pressure(self) -> float:
+        """Sample KV usage for degradation (every step; the engine also samples it when it
+        reports stats, so an idle engine restores its budget). Returns the time."""
+        now = self.clock()
+        self.pressure.observe(now, self.kv.usage)
+        return now
 
     def _schedule_running(self, step: _Step) -> None:
         head = self.waiting.head if self.waiting else None
