@@ -38,7 +38,14 @@ import aiohttp
 import numpy as np
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
-from serving_compare import QWEN_JAX, SHIPPED_MODEL, Server, free_port, http_get  # noqa: E402
+from serving_compare import (  # noqa: E402
+    SHIPPED_MODEL,
+    Server,
+    add_engine_options,
+    free_port,
+    http_get,
+    serve_cmd,
+)
 
 from serving.bench.datasets import BenchRequest  # noqa: E402
 from serving.bench.load_generator import arrivals, build_payload, send_request  # noqa: E402
@@ -53,13 +60,8 @@ def parse_args(argv=None):
     p.add_argument("--seed", type=int, default=0)
     p.add_argument("--startup-timeout", type=float, default=600)
     p.add_argument("--logdir", help="keep the servers' logs here (default: a temp dir)")
-    e = p.add_argument_group("engine (every server)")
-    e.add_argument("--max-num-seqs", type=int, default=16)
-    e.add_argument("--max-num-batched-tokens", type=int, default=512)
-    e.add_argument("--max-model-len", type=int, default=1024)
-    e.add_argument("--token-buckets", default="16,64,256,512")
-    e.add_argument("--seq-buckets", default="16")
-    e.add_argument("--compilation-cache-dir", default="default")
+    add_engine_options(p, "engine (every server)", max_num_seqs=16, max_num_batched_tokens=512,
+                       max_model_len=1024, token_buckets="16,64,256,512", seq_buckets="16")
     m = p.add_argument_group("mixed workload")
     m.add_argument("--num-requests", type=int, default=160)
     m.add_argument("--capacity-requests", type=int, default=40)
@@ -87,13 +89,7 @@ def parse_args(argv=None):
 # ---- servers and metrics -----------------------------------------------------------------
 def start_server(args, name: str, flags: list[str], logdir: str) -> Server:
     port = free_port()
-    cmd = [*QWEN_JAX, "serve", "--model", args.model, "--host", "127.0.0.1",
-           "--port", str(port), "--max-num-seqs", str(args.max_num_seqs),
-           "--max-num-batched-tokens", str(args.max_num_batched_tokens),
-           "--max-model-len", str(args.max_model_len), "--token-buckets", args.token_buckets,
-           "--seq-buckets", args.seq_buckets, "--seed", str(args.seed),
-           "--compilation-cache-dir", args.compilation_cache_dir, "--log-interval", "0",
-           *flags]
+    cmd = serve_cmd(args, port, "--log-interval", "0", *flags)
     server = Server(name, cmd, port, logdir, env=None)
     server.model = server.wait_ready(args.startup_timeout)
     return server

@@ -114,6 +114,11 @@ class HostKVStore:
                                     pages, rows)
         return caches
 
+    def host_arrays(self) -> list[jax.Array]:
+        """The host copies held now (for timing and for checking their memory kind)."""
+        chunks = {id(chunk): chunk for chunk, _ in self._rows.values()}
+        return [x for chunk in chunks.values() for x in jax.tree.leaves(chunk.host)]
+
     def release(self, host_pages: list[int]) -> None:
         """Forget host pages whose request finished while swapped out."""
         for page in host_pages:
