@@ -71,13 +71,9 @@ def parse_args(argv=None):
     p.add_argument("--out", help="also write the JSON here")
     p.add_argument("--plot-dir", help="draw each comparison into a PNG in this directory")
     p.add_argument("--seed", type=int, default=0)
-    e = p.add_argument_group("engine (both of our servers)")
-    e.add_argument("--max-num-seqs", type=int, default=8)
-    e.add_argument("--max-num-batched-tokens", type=int, default=256)
-    e.add_argument("--max-model-len", type=int, default=512)
-    e.add_argument("--token-buckets", default="8,64,256")
-    e.add_argument("--seq-buckets", default="8")
-    e.add_argument("--compilation-cache-dir", default="default")
+    add_engine_options(p, "engine (both of our servers)", max_num_seqs=8,
+                       max_num_batched_tokens=256, max_model_len=512, token_buckets="8,64,256",
+                       seq_buckets="8")
     s = p.add_argument_group("shared-prefix workload")
     s.add_argument("--num-prefix-groups", type=int, default=4)
     s.add_argument("--prompts-per-group", type=int, default=8)
@@ -102,6 +98,28 @@ def parse_args(argv=None):
     p.add_argument("--_hf_wrapper", nargs=3, metavar=("MODEL", "PORT", "THREADS"),
                    help=argparse.SUPPRESS)
     return p.parse_args(argv)
+
+
+def add_engine_options(p, title: str, *, max_num_seqs: int, max_num_batched_tokens: int,
+                       max_model_len: int, token_buckets: str, seq_buckets: str) -> None:
+    """The engine options every `qwen-jax serve` of a comparison shares."""
+    e = p.add_argument_group(title)
+    e.add_argument("--max-num-seqs", type=int, default=max_num_seqs)
+    e.add_argument("--max-num-batched-tokens", type=int, default=max_num_batched_tokens)
+    e.add_argument("--max-model-len", type=int, default=max_model_len)
+    e.add_argument("--token-buckets", default=token_buckets)
+    e.add_argument("--seq-buckets", default=seq_buckets)
+    e.add_argument("--compilation-cache-dir", default="default")
+
+
+def serve_cmd(args, port: int, *flags: str) -> list[str]:
+    """`qwen-jax serve` on loopback with the shared engine options, then `flags`."""
+    return [*QWEN_JAX, "serve", "--model", args.model, "--host", "127.0.0.1",
+            "--port", str(port), "--max-num-seqs", str(args.max_num_seqs),
+            "--max-num-batched-tokens", str(args.max_num_batched_tokens),
+            "--max-model-len", str(args.max_model_len), "--token-buckets", args.token_buckets,
+            "--seq-buckets", args.seq_buckets, "--seed", str(args.seed),
+            "--compilation-cache-dir", args.compilation_cache_dir, *flags]
 
 
 # ---- servers ---------------------------------------------------------------------------
@@ -167,13 +185,8 @@ class Server:
 
 def our_server(args, prefix_caching: bool, logdir: str) -> Server:
     port = free_port()
-    cmd = [*QWEN_JAX, "serve", "--model", args.model, "--host", "127.0.0.1",
-           "--port", str(port), "--max-num-seqs", str(args.max_num_seqs),
-           "--max-num-batched-tokens", str(args.max_num_batched_tokens),
-           "--max-model-len", str(args.max_model_len), "--token-buckets", args.token_buckets,
-           "--seq-buckets", args.seq_buckets, "--seed", str(args.seed),
-           "--compilation-cache-dir", args.compilation_cache_dir,
-           "--enable-prefix-caching" if prefix_caching else "--no-enable-prefix-caching"]
+    cmd = serve_cmd(args, port,
+                    "--enable-prefix-caching" if prefix_caching else "--no-enable-prefix-caching")
     env = {**os.environ, "JAX_PLATFORMS": os.environ.get("JAX_PLATFORMS", "cpu")}
     name = "qwen_jax_prefix_" + ("on" if prefix_caching else "off")
     return Server(name, cmd, port, logdir, env)

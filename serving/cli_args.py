@@ -5,6 +5,7 @@ from __future__ import annotations
 import argparse
 
 from qwen_jax.options import KV_CACHE_DTYPES, LOAD_FORMATS, PARAM_DTYPES
+from serving.policies import POLICIES
 
 
 def _int_list(text: str) -> list[int]:
@@ -35,17 +36,53 @@ def add_engine_args(parser: argparse.ArgumentParser) -> None:
                    dest="gpu_memory_utilization")
     g.add_argument("--kv-cache-dtype", default="auto", choices=tuple(KV_CACHE_DTYPES))
     g.add_argument("--enable-prefix-caching", action=argparse.BooleanOptionalAction, default=True)
-    g.add_argument("--scheduling-policy", default="fcfs", choices=("fcfs", "priority"),
-                   dest="policy")
     g.add_argument("--max-waiting", type=int, default=None,
                    help="bound on queued requests; beyond it the server answers 503")
-    g.add_argument("--watermark", type=float, default=0.01)
     g.add_argument("--token-buckets", type=_int_list, default=None)
     g.add_argument("--seq-buckets", type=_int_list, default=None)
     g.add_argument("--compilation-cache-dir", default="default",
                    help="persistent XLA cache ('' disables)")
     g.add_argument("--no-precompile", action="store_false", dest="precompile")
+    add_scheduling_args(parser)
     add_parallel_args(parser)
+
+
+def add_scheduling_args(parser: argparse.ArgumentParser) -> None:
+    g = parser.add_argument_group(
+        "scheduling", "order, self-protection under pressure and KV swap (docs/api.md); "
+        "a duration of inf turns its rule off")
+    g.add_argument("--scheduling-policy", default="fcfs", choices=POLICIES, dest="policy",
+                   help="length-aware: short prompts first, every request aging (default fcfs)")
+    g.add_argument("--length-buckets", type=_int_list, default=(128, 512),
+                   help="prompt lengths splitting short < A <= medium < B <= long (128,512)")
+    g.add_argument("--aging-interval", type=float, default=1.0,
+                   help="seconds of waiting worth one length bucket: no request waits behind "
+                   "one that arrived more than 2x this later (1.0)")
+    g.add_argument("--short-preempt-wait", type=float, default=0.5,
+                   help="seconds a short request waits before a running long request that "
+                   "ranks below it is preempted for it (length-aware; 0.5)")
+    g.add_argument("--boost-wait", type=float, default=0.2,
+                   help="queue wait in seconds after which a request is boosted one level "
+                   "(priority, length-aware; 0.2)")
+    g.add_argument("--watermark", type=float, default=0.05,
+                   help="fraction of KV pages admission keeps free, doubled while degraded")
+    g.add_argument("--kv-plan-limit", type=float, default=0.92,
+                   help="admission keeps held pages plus running requests' next-token pages "
+                   "under this fraction of the cache; 1 turns it off (0.92)")
+    g.add_argument("--degrade-kv-usage", type=float, default=0.9,
+                   help="KV usage above which, held --degrade-after seconds, the token "
+                   "budget drops to --degraded-token-fraction (0.9)")
+    g.add_argument("--degrade-after", type=float, default=30.0)
+    g.add_argument("--restore-kv-usage", type=float, default=0.8,
+                   help="KV usage below which, held --restore-after seconds, the budget is "
+                   "restored (0.8)")
+    g.add_argument("--restore-after", type=float, default=30.0)
+    g.add_argument("--degraded-token-fraction", type=float, default=0.5)
+    g.add_argument("--swap-space", type=float, default=0,
+                   help="GiB of host memory per device for preempted requests' KV pages; "
+                   "0 recomputes them (vLLM's option)")
+    g.add_argument("--swap-min-tokens", type=int, default=256,
+                   help="preempted requests with fewer computed tokens are recomputed (256)")
 
 
 def add_parallel_args(parser: argparse.ArgumentParser) -> None:
@@ -59,12 +96,17 @@ def add_parallel_args(parser: argparse.ArgumentParser) -> None:
     g.add_argument("--process-id", type=int, default=None)
 
 
+SCHEDULING_ARG_NAMES = (
+    "policy", "length_buckets", "aging_interval", "short_preempt_wait", "boost_wait",
+    "watermark", "kv_plan_limit", "degrade_kv_usage", "degrade_after", "restore_kv_usage",
+    "restore_after", "degraded_token_fraction", "swap_space", "swap_min_tokens")
 ENGINE_ARG_NAMES = (
     "tokenizer", "dtype", "impl", "load_format", "seed", "max_num_seqs",
     "max_num_batched_tokens", "max_model_len", "block_size", "num_gpu_blocks_override",
-    "gpu_memory_utilization", "kv_cache_dtype", "enable_prefix_caching", "policy",
-    "max_waiting", "watermark", "token_buckets", "seq_buckets", "compilation_cache_dir",
-    "precompile", "tensor_parallel_size", "expert_parallel_size", "data_parallel_size")
+    "gpu_memory_utilization", "kv_cache_dtype", "enable_prefix_caching",
+    "max_waiting", "token_buckets", "seq_buckets", "compilation_cache_dir",
+    "precompile", "tensor_parallel_size", "expert_parallel_size", "data_parallel_size",
+    *SCHEDULING_ARG_NAMES)
 
 
 def engine_kwargs(args: argparse.Namespace) -> dict:

@@ -8,9 +8,9 @@ import functools
 from qwen_jax.options import KV_CACHE_DTYPES
 from qwen_jax.validation import require
 from serving.buckets import MIN_SEQ_BUCKET, make_buckets, make_token_buckets
+from serving.policies import POLICIES
 from serving.reasoning import reasoning_parser_class
 
-POLICIES = ("fcfs", "priority")
 METRICS_PREFIXES = ("qwen_jax", "vllm")  # vllm: vLLM's metric names, for its dashboards
 
 
@@ -32,7 +32,8 @@ class CacheConfig:
     gpu_memory_utilization: float = 0.9
     enable_prefix_caching: bool = True
     kv_cache_dtype: str = "auto"
-    swap_space: float = 0  # GiB of host memory for swapped-out pages; 0 = recompute
+    swap_space: float = 0  # GiB of host memory (per device) for swapped-out pages; 0: recompute
+    swap_min_tokens: int = 256  # a preempted request with fewer computed tokens is recomputed
 
     def __post_init__(self) -> None:
         require(self.block_size >= 1 and self.block_size & (self.block_size - 1) == 0,
@@ -45,6 +46,7 @@ class CacheConfig:
         require(self.kv_cache_dtype in KV_CACHE_DTYPES, "kv_cache_dtype", self.kv_cache_dtype,
                 f"one of {', '.join(KV_CACHE_DTYPES)}")
         require(self.swap_space >= 0, "swap_space", self.swap_space, ">= 0")
+        require(self.swap_min_tokens >= 0, "swap_min_tokens", self.swap_min_tokens, ">= 0")
 
 
 @dataclasses.dataclass(frozen=True, kw_only=True)
@@ -52,8 +54,19 @@ class SchedulerConfig:
     max_num_seqs: int = 64
     max_num_batched_tokens: int = 512
     max_model_len: int | None = None  # None: the model's, capped (the engine resolves it)
-    watermark: float = 0.01  # fraction of pages kept free when admitting
-    policy: str = "fcfs"
+    watermark: float = 0.05  # fraction of pages kept free when admitting (doubled if degraded)
+    policy: str = "fcfs"  # or "priority", "length-aware" (serving/policies.py)
+    length_buckets: tuple[int, ...] = (128, 512)  # prompt tokens: short < 128 <= medium < 512
+    aging_interval: float = 1.0  # seconds of waiting worth one length bucket (length-aware)
+    short_preempt_wait: float = 0.5  # s a short request waits before a long one is preempted
+    boost_wait: float = 0.2  # s of queue wait after which a request is boosted one level
+    kv_plan_limit: float = 0.92  # admission plans at most this fraction of KV pages; 1: off
+    # Auto-degradation (serving/degradation.py); an `inf` duration turns it off.
+    degrade_kv_usage: float = 0.9
+    degrade_after: float = 30.0
+    restore_kv_usage: float = 0.8
+    restore_after: float = 30.0
+    degraded_token_fraction: float = 0.5  # of max_num_batched_tokens while degraded
     max_waiting: int | None = None  # None: unbounded waiting queue
     token_buckets: tuple[int, ...] | None = None  # None: powers of two
     seq_buckets: tuple[int, ...] | None = None
@@ -66,6 +79,7 @@ class SchedulerConfig:
                 self.max_model_len, ">= 1")
         require(0 <= self.watermark < 1, "watermark", self.watermark, "in [0, 1)")
         require(self.policy in POLICIES, "policy", self.policy, f"one of {POLICIES}")
+        self._validate_policy_options()
         require(self.max_waiting is None or self.max_waiting >= 1, "max_waiting",
                 self.max_waiting, ">= 1 or None")
         object.__setattr__(self, "token_buckets", _normalise_buckets(
@@ -73,6 +87,25 @@ class SchedulerConfig:
             self.max_num_batched_tokens))
         object.__setattr__(self, "seq_buckets", _normalise_buckets(
             "seq_buckets", self.seq_buckets, "max_num_seqs", self.max_num_seqs))
+
+    def _validate_policy_options(self) -> None:
+        bounds = tuple(int(b) for b in self.length_buckets)
+        require(len(bounds) == 2 and 1 <= bounds[0] < bounds[1], "length_buckets",
+                self.length_buckets, "two increasing prompt lengths >= 1 (short < a <= "
+                "medium < b <= long)")
+        object.__setattr__(self, "length_buckets", bounds)
+        require(0 < self.aging_interval < float("inf"), "aging_interval", self.aging_interval,
+                "a finite number of seconds > 0")
+        for name in ("short_preempt_wait", "boost_wait", "degrade_after", "restore_after"):
+            require(getattr(self, name) >= 0, name, getattr(self, name),
+                    ">= 0 seconds (inf: never)")
+        require(0 < self.kv_plan_limit <= 1, "kv_plan_limit", self.kv_plan_limit, "in (0, 1]")
+        require(0 < self.degrade_kv_usage <= 1, "degrade_kv_usage", self.degrade_kv_usage,
+                "in (0, 1]")
+        require(0 <= self.restore_kv_usage <= self.degrade_kv_usage, "restore_kv_usage",
+                self.restore_kv_usage, f"in [0, degrade_kv_usage={self.degrade_kv_usage}]")
+        require(0 < self.degraded_token_fraction <= 1, "degraded_token_fraction",
+                self.degraded_token_fraction, "in (0, 1]")
 
     @functools.cached_property
     def token_bucket_sizes(self) -> tuple[int, ...]:

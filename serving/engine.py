@@ -22,6 +22,7 @@ from serving.batch import build_model_inputs
 from serving.buckets import bucket_pairs
 from serving.detokenizer import IncrementalDetokenizer
 from serving.engine_config import EngineConfig
+from serving.host_kv import HostKVStore
 from serving.kv_cache_manager import KVCacheManager
 from serving.output_processor import OutputProcessor, ParentState, SeqState
 from serving.request import Request, RequestOutput, RequestStatus, SamplingParams
@@ -34,6 +35,7 @@ from serving.runner import (
 from serving.sampler import NUM_BLOCKED, SamplingEntry, build_sampling_arrays, uses_penalties
 from serving.scheduler import Scheduler, SchedulerOutput
 from serving.step_cost import StepShape
+from serving.swap import SwapManager
 
 logger = logging.getLogger(__name__)
 DEFAULT_MAX_MODEL_LEN = 4096
@@ -70,6 +72,8 @@ class LLMEngine:
         if config.precompile:
             self.compile_seconds = self.runner.precompile(self.bucket_pairs,
                                                           progress=config.show_progress)
+            if self.host_kv is not None:
+                self.host_kv.compile(self.runner.kv_caches)
 
     # ---- construction ------------------------------------------------------------------
     def _dtype(self) -> str:
@@ -114,10 +118,21 @@ class LLMEngine:
         caches = kv_cache.allocate(self.model, self.num_pages, self.page_size, dtype)
         self.kv_manager = KVCacheManager(self.num_pages, self.page_size,
                                          cache.enable_prefix_caching)
-        self.scheduler = Scheduler(sched, self.kv_manager)
+        self.scheduler = Scheduler(sched, self.kv_manager, swap=self._swap_manager())
         self.runner = ModelRunner(self.model, caches, max_model_len=self.max_model_len,
                                   pages_per_seq=self.pages_per_seq, mesh=self.mesh)
         self.bucket_pairs = bucket_pairs(sched.token_bucket_sizes, sched.seq_bucket_sizes)
+
+    def _swap_manager(self) -> SwapManager:
+        """Host pages for `swap_space` GiB (per device, as vLLM counts it)."""
+        cache = self.config.cache
+        num_host_pages = int(cache.swap_space * 2**30) // self.bytes_per_page
+        if num_host_pages and distributed.is_multiprocess():
+            raise ValueError(f"swap_space={cache.swap_space} is not supported with multiple "
+                             "processes; use 0 (recompute)")
+        self.host_kv = (HostKVStore(self.num_pages, self.pages_per_seq) if num_host_pages
+                        else None)
+        return SwapManager(num_host_pages, cache.swap_min_tokens)
 
     @property
     def max_model_len(self) -> int:
@@ -239,6 +254,7 @@ class LLMEngine:
     def step(self) -> list[RequestOutput]:
         """One engine iteration; returns an output for every request that produced a token."""
         out = self.scheduler.schedule()
+        self._copy_swapped_pages(out)
         if out.is_empty:
             return []
         batch = build_model_inputs(out, self.scheduler_config.token_bucket_sizes,
@@ -291,6 +307,16 @@ class LLMEngine:
             if not child.request.is_finished:
                 self.scheduler.finish(child.request.request_id, RequestStatus.FINISHED_ERROR)
 
+    def _copy_swapped_pages(self, out: SchedulerOutput) -> None:
+        """The swaps the scheduler planned, before the step writes any page they read."""
+        if self.host_kv is None:
+            return
+        self.host_kv.release(out.host_pages_freed)
+        if out.swap_out:
+            self.runner.copy_pages_to_host(self.host_kv, *zip(*out.swap_out))
+        if out.swap_in:
+            self.runner.copy_pages_from_host(self.host_kv, *zip(*out.swap_in))
+
     def _sampling_entry(self, request: Request) -> SamplingEntry:
         seq = self._seqs[request.request_id]
         params = request.sampling_params
@@ -309,6 +335,9 @@ class LLMEngine:
 
     # ---- introspection -----------------------------------------------------------------
     def stats(self) -> dict:
+        return {**self._kv_stats(), **self._scheduling_stats()}
+
+    def _kv_stats(self) -> dict:
         kv = self.kv_manager
         return {
             "num_running": self.scheduler.num_running,
@@ -321,9 +350,27 @@ class LLMEngine:
             "prefix_cache_hit_rate": kv.prefix_cache_hit_rate,
             "prefix_cache_queries": kv.pool.num_queried_tokens,
             "prefix_cache_hits": kv.pool.num_hit_tokens,
-            "num_compiles": self.runner.num_compiles,
+            "num_compiles": self.runner.num_compiles + (
+                self.host_kv.num_compiles if self.host_kv is not None else 0),
             "bytes_per_page": self.bytes_per_page,
             "kv_capacity_tokens": self.kv_capacity_tokens,
+        }
+
+    def _scheduling_stats(self) -> dict:
+        s = self.scheduler
+        s.observe_pressure()  # an idle engine runs no step: its budget is restored here
+        return {
+            "max_num_batched_tokens": s.max_num_batched_tokens,
+            "degraded": int(s.pressure.degraded),
+            "num_degradation_switches": s.pressure.num_switches,
+            "num_priority_boosts": s.boost.num_boosts,
+            "num_swap_outs": s.swap.num_swap_outs,
+            "num_swap_ins": s.swap.num_swap_ins,
+            "num_swapped_requests": s.swap.num_swapped,
+            "num_host_pages": s.swap.num_host_pages,
+            "num_used_host_pages": s.swap.num_host_pages - s.swap.num_free_host_pages,
+            "swap_space_usage": s.swap.usage,
+            "num_recomputed_tokens": s.num_recomputed_tokens,
         }
 
 

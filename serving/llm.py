@@ -129,6 +129,8 @@ class LLM:
         total = {k: sum(s[k] for s in per) for k, v in per[0].items()
                  if isinstance(v, (int, float)) and k != "bytes_per_page"}
         total["kv_cache_usage"] = 1 - total["num_free_pages"] / total["num_total_pages"]
+        host = total["num_host_pages"]
+        total["swap_space_usage"] = total["num_used_host_pages"] / host if host else 0.0
         queries = total["prefix_cache_queries"]
         total["prefix_cache_hit_rate"] = total["prefix_cache_hits"] / queries if queries else 0.0
         total["bytes_per_page"] = per[0]["bytes_per_page"]

@@ -84,6 +84,34 @@ class _EngineCollector:
                            s["num_total_pages"], OWN)
         yield self._family(g, "engine_dead", "1 once a failed step has killed the engine.",
                            float(getattr(self.llm, "dead", None) is not None), OWN)
+        yield from _scheduling_families(self, s)
+
+
+def _scheduling_families(collector: _EngineCollector, s: dict):
+    """Self-protection and KV swap (vLLM v0's names for the swap gauges)."""
+    g, c = GaugeMetricFamily, CounterMetricFamily
+    for cls, name, doc, key in (
+            (g, "scheduler_max_num_batched_tokens",
+             "Effective token budget per step (lowered while degraded).",
+             "max_num_batched_tokens"),
+            (g, "scheduler_degraded", "1 while KV pressure has lowered the token budget.",
+             "degraded"),
+            (c, "scheduler_degradation_switches", "Times degradation switched on or off.",
+             "num_degradation_switches"),
+            (c, "scheduler_priority_boosts",
+             "Waiting requests boosted one level after waiting past --boost-wait.",
+             "num_priority_boosts"),
+            (g, "num_requests_swapped", "Preempted requests whose KV is in host memory.",
+             "num_swapped_requests"),
+            (g, "cpu_cache_usage_perc", "Host swap space usage. 1 means 100 percent.",
+             "swap_space_usage"),
+            (c, "num_swap_outs", "Preemptions that copied the KV to host memory.",
+             "num_swap_outs"),
+            (c, "num_swap_ins", "Swapped-out requests resumed from host memory.",
+             "num_swap_ins"),
+            (c, "num_recomputed_tokens", "Computed tokens discarded by recompute preemptions.",
+             "num_recomputed_tokens")):
+        yield collector._family(cls, name, doc, s[key], OWN)
 
 
 class _Factory:

@@ -113,6 +113,14 @@ class ModelRunner:
         self.kv_caches, out = step(self.state, self.kv_caches, *args)
         return jax.device_get(out)
 
+    def copy_pages_to_host(self, store, device_pages, host_pages) -> None:
+        """Swap out: `store` (serving/host_kv.HostKVStore) keeps the pages' KV."""
+        store.save(self.kv_caches, list(device_pages), list(host_pages))
+
+    def copy_pages_from_host(self, store, host_pages, device_pages) -> None:
+        """Swap in: the stored pages' KV lands in `device_pages` (the cache is donated)."""
+        self.kv_caches = store.load(self.kv_caches, list(host_pages), list(device_pages))
+
     def _replicate(self, host: np.ndarray) -> jax.Array:
         """Host array -> global replicated array (under a mesh); works across processes too,
         where each process holds the same (broadcast) values."""

@@ -93,7 +93,10 @@ class _FakeLLM:
     def stats():
         return {"num_running": 0, "num_waiting": 0, "kv_cache_usage": 0.0,
                 "prefix_cache_queries": 0, "prefix_cache_hits": 0, "num_preemptions": 0,
-                "num_compiles": 0, "num_used_pages": 0, "num_total_pages": 9}
+                "num_compiles": 0, "num_used_pages": 0, "num_total_pages": 9,
+                "max_num_batched_tokens": 64, "degraded": 0, "num_degradation_switches": 0,
+                "num_priority_boosts": 0, "num_swapped_requests": 0, "swap_space_usage": 0.0,
+                "num_swap_outs": 0, "num_swap_ins": 0, "num_recomputed_tokens": 0}
 
 
 def test_utilisation_is_the_step_rate_over_the_devices_peak(server):

@@ -87,7 +87,7 @@ def test_scheduler_config_custom_buckets_sorted_and_must_reach_limit():
     (dict(max_num_seqs=64, max_num_batched_tokens=32),
      "max_num_batched_tokens must be >= max_num_seqs=64, got 32"),
     (dict(watermark=1.0), "watermark must be in [0, 1), got 1.0"),
-    (dict(policy="lifo"), "policy must be one of ('fcfs', 'priority'), got 'lifo'"),
+    (dict(policy="lifo"), "policy must be one of ('fcfs', 'priority', 'length-aware'), got 'lifo'"),
     (dict(max_waiting=0), "max_waiting must be >= 1 or None, got 0"),
 ])
 def test_scheduler_config_validation(kwargs, message):

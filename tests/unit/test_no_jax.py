@@ -6,8 +6,8 @@ import sys
 MODULES = ["serving.request", "serving.page_pool", "serving.kv_cache_manager",
            "serving.scheduler", "serving.buckets", "serving.batch", "serving.config",
            "serving.reasoning", "serving.detokenizer", "serving.output_processor",
-           "serving.step_cost", "serving.http_policy", "qwen_jax.options",
-           "qwen_jax.validation"]
+           "serving.step_cost", "serving.http_policy", "serving.policies",
+           "serving.degradation", "serving.swap", "qwen_jax.options", "qwen_jax.validation"]
 
 
 def test_core_modules_do_not_import_jax():
@@ -20,7 +20,8 @@ def test_core_modules_do_not_import_jax():
 
 def test_pure_python_modules_do_not_import_numpy():
     pure = ["serving.request", "serving.page_pool", "serving.kv_cache_manager",
-            "serving.scheduler", "serving.buckets", "serving.config"]
+            "serving.scheduler", "serving.buckets", "serving.config", "serving.policies",
+            "serving.degradation", "serving.swap"]
     code = ("import sys\n" + "".join(f"import {m}\n" for m in pure)
             + "print('numpy' in sys.modules)")
     result = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True,

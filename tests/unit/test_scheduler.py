@@ -11,6 +11,8 @@ BS = 4
 
 
 def make_scheduler(num_pages=64, policy="fcfs", watermark=0.0, caching=True, **kwargs):
+    # No admission headroom and no growth plan: these tests overcommit tiny pools on purpose.
+    kwargs.setdefault("kv_plan_limit", 1.0)
     kwargs.setdefault("max_num_seqs", 8)
     kwargs.setdefault("max_num_batched_tokens", 32)
     kwargs.setdefault("max_model_len", 64)
