@@ -3,6 +3,8 @@
 import jax
 import jax.numpy as jnp
 
+from pallas_kernels.quantized import at, dequantize
+
 
 def grouped_matmul_reference(lhs, rhs, group_sizes=None, *, plan=None, layer=None,
                              lhs_rows=None, out_rows=None, interpret=False, **block_sizes):
@@ -10,14 +12,16 @@ def grouped_matmul_reference(lhs, rhs, group_sizes=None, *, plan=None, layer=Non
 
     Rows past sum(group_sizes) are zero. `plan` may replace group_sizes; `layer` picks
     rhs[layer] of a stacked [X, G, K, N]; `lhs_rows` reads lhs[lhs_rows]; `out_rows`
-    stores row r at out_rows[r] (see the kernel). `interpret` and `block_sizes` are
-    accepted only so it can stand in for the kernel.
+    stores row r at out_rows[r] (see the kernel). A quantised rhs (`QuantizedWeight`) is
+    dequantised to lhs's dtype first. `interpret` and `block_sizes` are accepted only so
+    it can stand in for the kernel.
     """
     del interpret, block_sizes
     if group_sizes is None:
         group_sizes = plan.group_sizes
     if layer is not None:
-        rhs = rhs[layer]
+        rhs = at(rhs, layer)
+    rhs = dequantize(rhs, lhs.dtype)
     if lhs_rows is not None:
         lhs = lhs[lhs_rows]
     out = jax.lax.ragged_dot(lhs, rhs, group_sizes.astype(jnp.int32),
