@@ -4,6 +4,8 @@ from __future__ import annotations
 
 import argparse
 
+from qwen_jax.quantization import QUANTIZATION_METHODS
+
 
 def _int_list(text: str) -> list[int]:
     try:
@@ -22,6 +24,9 @@ def add_engine_args(parser: argparse.ArgumentParser) -> None:
                    help="kernels: pallas on GPU, jnp reference elsewhere (auto)")
     g.add_argument("--load-format", default="auto",
                    choices=("auto", "dummy", "safetensors", "orbax"))
+    g.add_argument("--quantization", "-q", default=None, choices=QUANTIZATION_METHODS,
+                   help="weights: fp8 / awq checkpoints load quantised without it; fp8 | int8 "
+                        "quantise a float checkpoint at load (presets: any)")
     g.add_argument("--seed", type=int, default=0)
     g.add_argument("--max-num-seqs", type=int, default=64)
     g.add_argument("--max-num-batched-tokens", type=int, default=512)
@@ -58,7 +63,7 @@ def add_parallel_args(parser: argparse.ArgumentParser) -> None:
 
 
 ENGINE_ARG_NAMES = (
-    "tokenizer", "dtype", "impl", "load_format", "seed", "max_num_seqs",
+    "tokenizer", "dtype", "impl", "load_format", "quantization", "seed", "max_num_seqs",
     "max_num_batched_tokens", "max_model_len", "block_size", "num_gpu_blocks_override",
     "gpu_memory_utilization", "kv_cache_dtype", "enable_prefix_caching", "policy",
     "max_waiting", "watermark", "token_buckets", "seq_buckets", "compilation_cache_dir",

@@ -40,7 +40,8 @@ class LLMEngine:
         self.model_path = resolve_model_path(config.model or DEFAULT_MODEL_DIR)
         self.mesh = self._make_mesh(devices)
         self.model = load_model(self.model_path, dtype=self._dtype(), impl=self._impl(),
-                                load_format=config.load_format, seed=config.seed, mesh=self.mesh)
+                                load_format=config.load_format, seed=config.seed, mesh=self.mesh,
+                                quantization=config.quantization)
         self.load_seconds = time.perf_counter() - started
         self.model_config = self.model.config
         self.tokenizer = self._load_tokenizer()

@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import dataclasses
 
+from qwen_jax.quantization import QUANTIZATION_METHODS
 from qwen_jax.sharding import ParallelConfig
 from serving.config import CacheConfig, SchedulerConfig, _require
 
@@ -21,6 +22,9 @@ class EngineConfig:
     dtype: str = "auto"  # auto: float32 on CPU, the checkpoint's dtype (bf16) on GPU
     impl: str = "auto"  # kernels: auto = pallas on GPU, reference elsewhere
     load_format: str = "auto"
+    # None: the checkpoint's own (fp8 / AWQ checkpoints load quantised); fp8 | int8:
+    # quantise a float checkpoint at load; must match a quantised checkpoint's method.
+    quantization: str | None = None
     seed: int = 0
     cache: CacheConfig = dataclasses.field(default_factory=CacheConfig)
     scheduler: SchedulerConfig = dataclasses.field(default_factory=SchedulerConfig)
@@ -34,3 +38,6 @@ class EngineConfig:
         _require(self.impl in IMPLS, f"impl must be one of {IMPLS}, got {self.impl!r}")
         _require(self.load_format in LOAD_FORMATS,
                  f"load_format must be one of {LOAD_FORMATS}, got {self.load_format!r}")
+        _require(self.quantization in (None, *QUANTIZATION_METHODS),
+                 f"quantization must be one of {QUANTIZATION_METHODS} (or None: the "
+                 f"checkpoint's), got {self.quantization!r}")
