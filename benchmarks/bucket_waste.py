@@ -13,8 +13,13 @@ import json
 import random
 import sys
 
-from serving.buckets import (MIN_SEQ_BUCKET, bucket_pairs, make_buckets, make_token_buckets,
-                             pick_bucket)
+from serving.buckets import (
+    MIN_SEQ_BUCKET,
+    bucket_pairs,
+    make_buckets,
+    make_token_buckets,
+    pick_bucket,
+)
 from serving.config import SchedulerConfig
 from serving.kv_cache_manager import KVCacheManager
 from serving.request import Request, RequestStatus, SamplingParams
@@ -61,7 +66,8 @@ def waste(steps, token_buckets):
 def workloads(seed=0):
     rng = random.Random(seed)
     fixed = lambda n: ([1024] * n, [128] * n)
-    mixed = ([rng.randint(32, 1152) for _ in range(256)], [rng.randint(16, 128) for _ in range(256)])
+    mixed = ([rng.randint(32, 1152) for _ in range(256)],
+             [rng.randint(16, 128) for _ in range(256)])
     return {"1024in_128out_c1": (*fixed(4), 1), "1024in_128out_c8": (*fixed(32), 8),
             "1024in_128out_c64": (*fixed(256), 64), "mixed_32-1152in_16-128out_c32": (*mixed, 32)}
 

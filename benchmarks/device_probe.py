@@ -58,6 +58,7 @@ class JsonLines:
 def stage_env(emit, args, arm):
     del arm
     import jax
+
     from serving.step_hlo import cuda_lowering_error
     device = jax.devices()[0]
     emit("env", python=platform.python_version(), jax=jax.__version__,
@@ -90,6 +91,7 @@ def engine_kwargs(args):
 def stage_engine(emit, args, arm):
     """Load, compile (a line per bucket as it is ready), then the offline runs."""
     import jax
+
     from serving import step_hlo
     from serving.engine import LLMEngine
     from serving.llm import engine_config_from_kwargs
@@ -121,6 +123,7 @@ def stage_engine(emit, args, arm):
 
 def stage_offline(emit, args, engine):
     import numpy as np
+
     from serving.request import SamplingParams
     in_len, out_len = (40, 8) if args.small else (1024, 128)
     decode_tokens = 8 if args.small else 64  # decode steps run in buckets of <= this
@@ -142,7 +145,8 @@ def stage_offline(emit, args, engine):
         wall = time.perf_counter() - started
         decode = [(run, total) for bucket, run, total in steps if bucket[0] <= decode_tokens]
         median_ms = lambda v: round(float(np.median(v)) * 1e3, 3) if v else None
-        emit("offline", concurrency=concurrency, output_tok_s=round(concurrency * out_len / wall, 1),
+        emit("offline", concurrency=concurrency,
+             output_tok_s=round(concurrency * out_len / wall, 1),
              wall_s=round(wall, 2), steps=len(steps), decode_steps=len(decode),
              decode_execute_ms_p50=median_ms([r for r, _ in decode]),
              decode_host_ms_p50=median_ms([t - r for r, t in decode]),

@@ -28,9 +28,16 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 
-from pallas_kernels import (grouped_matmul, grouped_matmul_reference, plan_groups,
-                            ragged_paged_attention, ragged_paged_attention_reference,
-                            stacked_matmul, stacked_matmul_reference, write_kv_pages)
+from pallas_kernels import (
+    grouped_matmul,
+    grouped_matmul_reference,
+    plan_groups,
+    ragged_paged_attention,
+    ragged_paged_attention_reference,
+    stacked_matmul,
+    stacked_matmul_reference,
+    write_kv_pages,
+)
 from pallas_kernels.grouped_matmul import tuning as gmm_tuning
 
 

@@ -8,9 +8,12 @@ import jax
 
 from pallas_kernels.grouped_matmul import grouped_matmul, grouped_matmul_reference
 from pallas_kernels.kv_write import write_kv_pages
-from pallas_kernels.ragged_paged_attention import (plan_attention, plan_attention_reference,
-                                                   ragged_paged_attention,
-                                                   ragged_paged_attention_reference)
+from pallas_kernels.ragged_paged_attention import (
+    plan_attention,
+    plan_attention_reference,
+    ragged_paged_attention,
+    ragged_paged_attention_reference,
+)
 from pallas_kernels.stacked_matmul import stacked_matmul, stacked_matmul_reference
 
 IMPLS = ("pallas", "reference")

@@ -30,6 +30,7 @@ their own scale blocks: column n of sub-matrix n // segment uses scale column
 from __future__ import annotations
 
 import dataclasses
+from typing import Any
 
 import jax
 import jax.numpy as jnp
@@ -63,9 +64,10 @@ class Layout:
 class QuantizedWeight:
     """values [..., K, N] (int4: [..., K/2, N]), scales [..., Kb, Nb], zeros [..., Kb, N]."""
 
-    values: jax.Array
-    scales: jax.Array
-    zeros: jax.Array | None = None
+    # Arrays, or any pytree leaves in their place (shard_map specs, abstract shapes).
+    values: Any
+    scales: Any
+    zeros: Any = None
     kind: str = dataclasses.field(metadata=dict(static=True))
     block_k: int | None = dataclasses.field(default=None, metadata=dict(static=True))
     block_n: int = dataclasses.field(default=1, metadata=dict(static=True))

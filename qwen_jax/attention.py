@@ -14,10 +14,12 @@ from typing import Any
 
 import jax
 import jax.numpy as jnp
+import numpy as np
 from flax import nnx
 from jax.sharding import PartitionSpec as P
 
 import pallas_kernels
+from pallas_kernels.array_types import Array, Int
 from qwen_jax.layers import Linear, RMSNorm, Runtime, no_quant, rms_normalize, rope_tables, rotate
 from qwen_jax.sharding import kv_replication
 
@@ -28,13 +30,14 @@ QUANTIZED_KV_DTYPES = (jnp.int8, jnp.float8_e4m3fn, jnp.float8_e5m2)
 @jax.tree_util.register_dataclass
 @dataclasses.dataclass(frozen=True)
 class AttentionMetadata:
-    """Where each flattened token sits in the paged cache (see serving/batch.py)."""
+    """Where each flattened token sits in the paged cache (see serving/batch.py); host
+    numpy arrays until the step moves them to the devices."""
 
-    slot_mapping: jax.Array  # int32[T] flat slot (page * L + offset); padding -> page 0
-    query_start: jax.Array   # int32[S+1]
-    kv_lens: jax.Array       # int32[S] context length including this step's tokens
-    page_table: jax.Array    # int32[S, pages_per_seq]
-    num_seqs: jax.Array      # int32[] real sequences; the rest is padding
+    slot_mapping: Int[Array | np.ndarray, " T"]  # flat slot (page * L + offset); pad -> page 0
+    query_start: Int[Array | np.ndarray, " S+1"]
+    kv_lens: Int[Array | np.ndarray, " S"]  # context length including this step's tokens
+    page_table: Int[Array | np.ndarray, "S pages_per_seq"]
+    num_seqs: Int[Array | np.ndarray, ""]  # real sequences; the rest is padding
 
     def valid_tokens(self, num_tokens: int) -> jax.Array:
         """bool[T]: real tokens (rows before query_start[num_seqs])."""
@@ -61,7 +64,8 @@ def step_context(meta: AttentionMetadata, positions, rope, *, dtype, num_q_heads
     plan = pallas_kernels.ops(rt.impl).plan_attention(
         meta.query_start, meta.kv_lens, meta.num_seqs, num_tokens=num_tokens,
         num_q_heads=num_q_heads, num_kv_heads=num_kv_heads, head_dim=head_dim)
-    cos, sin = rope_tables(positions, *rope, dtype)
+    inv_freq, scale = rope
+    cos, sin = rope_tables(positions, inv_freq, scale, dtype)
     return StepContext(meta=meta, plan=plan, cos=cos, sin=sin,
                        valid=meta.valid_tokens(num_tokens))
 

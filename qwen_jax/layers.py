@@ -41,6 +41,8 @@ def init_param(rngs: nnx.Rngs | None, shape: tuple[int, ...], dtype, std: float 
     """A parameter: constant `fill`, or normal(0, std) drawn directly in `dtype` on device."""
     if fill is not None:
         return nnx.Param(jnp.full(shape, fill, dtype))
+    if rngs is None:
+        raise ValueError(f"a random parameter of shape {shape} needs rngs, got None")
     return nnx.Param(jax.random.normal(rngs.params(), shape, dtype) * jnp.asarray(std, dtype))
 
 

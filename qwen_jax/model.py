@@ -8,7 +8,8 @@ import numpy as np
 from flax import nnx
 
 import pallas_kernels
-from qwen_jax import sharding
+from pallas_kernels.array_types import Array, Float, Int
+from qwen_jax import sharding, weights
 from qwen_jax.attention import Attention, AttentionMetadata, StepContext, step_context
 from qwen_jax.config import ModelConfig
 from qwen_jax.layers import RMSNorm, Runtime, init_param, no_quant
@@ -119,7 +120,10 @@ class Qwen3ForCausalLM(nnx.Module):
         return self.embed_tokens.dtype
 
     # ---- serving path ------------------------------------------------------------------
-    def forward(self, token_ids, positions, kv_caches: KVCache, meta: AttentionMetadata):
+    def forward(self, token_ids: Int[Array | np.ndarray, " T"],
+                positions: Int[Array | np.ndarray, " T"],
+                kv_caches: KVCache, meta: AttentionMetadata
+                ) -> tuple[Float[Array, "T D"], KVCache]:
         """token_ids, positions: int32[T] -> (final hidden [T, D], updated caches)."""
         cfg = self.config
         x = self.embed_tokens[...][token_ids]  # [T, D]
@@ -133,7 +137,7 @@ class Qwen3ForCausalLM(nnx.Module):
             new_caches.append(kv)
         return self.norm(x), new_caches
 
-    def compute_logits(self, hidden: jax.Array) -> jax.Array:
+    def compute_logits(self, hidden: Float[Array, "*B D"]) -> Float[Array, "*B V"]:
         """hidden: [..., D] -> float32 logits [..., V]."""
         head = self.embed_tokens[...].T if self.lm_head is None else self.lm_head[...]
         return jnp.einsum("...d,dv->...v", hidden, head, preferred_element_type=jnp.float32)
@@ -163,7 +167,8 @@ class Qwen3ForCausalLM(nnx.Module):
         return [(zeros(c), zeros(c)) for _, _, c in cfg.segments]
 
     # ---- full-sequence path ------------------------------------------------------------
-    def __call__(self, input_ids: jax.Array, page_size: int = 16) -> jax.Array:
+    def __call__(self, input_ids: Int[Array | np.ndarray, "B T"], page_size: int = 16
+                 ) -> Float[Array, "B T V"]:
         """input_ids: int32[B, T] -> float32 logits [B, T, V] (causal, no padding)."""
         batch, seq_len = input_ids.shape
         meta, num_pages = contiguous_metadata(batch, seq_len, page_size)
@@ -174,16 +179,16 @@ class Qwen3ForCausalLM(nnx.Module):
 
     @classmethod
     def from_pretrained(cls, path, dtype="float32", *, impl: str | None = None,
-                        load_format: str = "auto", mesh=None,
+                        load_format: str = "auto", mesh=None, seed: int = 0,
                         quantization: str | None = None) -> "Qwen3ForCausalLM":
         """Load an HF safetensors checkpoint, an orbax checkpoint written by
-        `qwen-jax convert`, or (load_format="dummy" or a preset name) random weights;
-        with a `mesh` (qwen_jax.sharding.make_mesh) every weight lands in its shards.
-        Quantised checkpoints (fp8, AWQ) load as they are; quantization="fp8" | "int8"
-        quantises a float one at load (qwen_jax/quantization.py)."""
-        from qwen_jax.weights import load_model
-        return load_model(path, dtype=dtype, impl=impl, load_format=load_format, mesh=mesh,
-                          quantization=quantization)
+        `qwen-jax convert`, or (load_format="dummy" or a preset name) random weights drawn
+        from `seed`; with a `mesh` (qwen_jax.sharding.make_mesh) every weight lands in its
+        shards. Quantised checkpoints (fp8, AWQ) load as they are; quantization="fp8" |
+        "int8" quantises a float one at load (qwen_jax/quantization.py)."""
+        return weights.load_model(path, dtype, model_cls=cls, impl=impl,
+                                  load_format=load_format, seed=seed, mesh=mesh,
+                                  quantization=quantization)
 
 
 def contiguous_metadata(batch: int, seq_len: int, page_size: int):

@@ -24,10 +24,11 @@ dequantised at load.
 from __future__ import annotations
 
 import dataclasses
+import typing
 
-# `--quantization` values: fp8 and awq read checkpoints of that method; fp8 and int8
-# quantise a float checkpoint at load. Presets (dummy weights) accept all three.
-QUANTIZATION_METHODS = ("fp8", "int8", "awq")
+from qwen_jax.options import QUANTIZATION_METHODS
+from qwen_jax.validation import require
+
 ONLINE_METHODS = ("fp8", "int8")
 CHECKPOINT_METHODS = ("fp8", "awq")
 # Methods people ship Qwen3 checkpoints in that we do not read, with what they are.
@@ -61,16 +62,16 @@ class Quantization:
     modules_to_not_convert: tuple[str, ...] = ()
 
     def __post_init__(self):
-        _check(self.method in QUANTIZATION_METHODS, "quant_method", self.method,
-               f"one of {', '.join(QUANTIZATION_METHODS)}")
+        require(self.method in QUANTIZATION_METHODS, "quant_method", self.method,
+                f"one of {', '.join(QUANTIZATION_METHODS)}")
         block_n, block_k = self.weight_block_size
-        _check(block_n >= 1 and block_k >= 16 and block_k % 16 == 0, "weight_block_size",
-               list(self.weight_block_size),
-               "[block_n, block_k] with block_n >= 1 and block_k a multiple of 16")
-        _check(self.group_size >= 32 and self.group_size % 32 == 0, "group_size",
-               self.group_size, "a multiple of 32 (32, 64, 128, ...)")
-        _check(not self.online or self.method in ONLINE_METHODS, "quantization", self.method,
-               f"an AWQ checkpoint; quantising at load supports {', '.join(ONLINE_METHODS)}")
+        require(block_n >= 1 and block_k >= 16 and block_k % 16 == 0, "weight_block_size",
+                list(self.weight_block_size),
+                "[block_n, block_k] with block_n >= 1 and block_k a multiple of 16")
+        require(self.group_size >= 32 and self.group_size % 32 == 0, "group_size",
+                self.group_size, "a multiple of 32 (32, 64, 128, ...)")
+        require(not self.online or self.method in ONLINE_METHODS, "quantization", self.method,
+                f"an AWQ checkpoint; quantising at load supports {', '.join(ONLINE_METHODS)}")
 
     @property
     def weight_format(self) -> WeightFormat:
@@ -132,28 +133,30 @@ class Quantization:
 
 def _fp8_block(config: dict) -> tuple[int, int]:
     fmt = config.get("fmt", "e4m3")
-    _check(fmt == "e4m3", "quantization_config.fmt", fmt, "'e4m3' (float8_e4m3fn)")
+    require(fmt == "e4m3", "quantization_config.fmt", fmt, "'e4m3' (float8_e4m3fn)")
     block = config.get("weight_block_size")
-    _check(block is not None, "quantization_config.weight_block_size", block,
-           "[block_n, block_k]: per-tensor fp8 checkpoints are not supported, only "
-           "block-wise ones (Qwen's weight_block_size [128, 128])")
-    _check(isinstance(block, (list, tuple)) and len(block) == 2
-           and all(isinstance(b, int) for b in block),
-           "quantization_config.weight_block_size", block, "two integers [block_n, block_k]")
-    return int(block[0]), int(block[1])
+    require(block is not None, "quantization_config.weight_block_size", block,
+            "[block_n, block_k]: per-tensor fp8 checkpoints are not supported, only "
+            "block-wise ones (Qwen's weight_block_size [128, 128])")
+    ok = isinstance(block, (list, tuple)) and len(block) == 2 and all(
+        isinstance(b, int) for b in block)
+    require(ok, "quantization_config.weight_block_size", block,
+            "two integers [block_n, block_k]")
+    block_n, block_k = typing.cast(tuple[int, int], tuple(block or ()))
+    return block_n, block_k
 
 
 def _awq_group(config: dict) -> int:
     bits = config.get("bits", config.get("w_bit", 4))
-    _check(bits == 4, "quantization_config.bits", bits, "4 (AWQ int4)")
+    require(bits == 4, "quantization_config.bits", bits, "4 (AWQ int4)")
     version = str(config.get("version", "gemm")).lower()
-    _check(version == "gemm", "quantization_config.version", version,
-           "'gemm' (AutoAWQ's GEMM packing)")
+    require(version == "gemm", "quantization_config.version", version,
+            "'gemm' (AutoAWQ's GEMM packing)")
     zero_point = config.get("zero_point", True)
-    _check(zero_point is True, "quantization_config.zero_point", zero_point, "true")
+    require(zero_point is True, "quantization_config.zero_point", zero_point, "true")
     group = config.get("group_size", config.get("q_group_size", AWQ_GROUP))
-    _check(isinstance(group, int) and group > 0, "quantization_config.group_size", group,
-           "a positive multiple of 32 (-1, one group per column, is not supported)")
+    require(isinstance(group, int) and group > 0, "quantization_config.group_size", group,
+            "a positive multiple of 32 (-1, one group per column, is not supported)")
     return int(group)
 
 
@@ -164,17 +167,12 @@ def resolve(checkpoint: Quantization | None, requested: str | None, *,
     With dummy weights (presets, load_format dummy) every method can be asked for."""
     if requested is None or requested == "auto":
         return checkpoint
-    _check(requested in QUANTIZATION_METHODS, "quantization", requested,
-           f"one of {', '.join(QUANTIZATION_METHODS)}")
+    require(requested in QUANTIZATION_METHODS, "quantization", requested,
+            f"one of {', '.join(QUANTIZATION_METHODS)}")
     if checkpoint is not None:
-        _check(checkpoint.method == requested, "quantization", requested,
-               f"{checkpoint.method!r}, the checkpoint's quantization_config.quant_method")
+        require(checkpoint.method == requested, "quantization", requested,
+                f"{checkpoint.method!r}, the checkpoint's quantization_config.quant_method")
         return checkpoint
     if dummy:
         return Quantization(method=requested)
     return Quantization(method=requested, online=True)
-
-
-def _check(ok: bool, field: str, value, limit: str) -> None:
-    if not ok:
-        raise ValueError(f"{field} must be {limit}, got {value!r}")

@@ -55,7 +55,9 @@ def stored_array(reader, module: str, kind: str, key: str, shape: tuple[int, int
         scale_shape = (-(-n // block_n), -(-k // (block_k or k)))
         return reader.get(f"{module}.{FP8_SCALE}", scale_shape).T.astype(np.float32)
     if kind == "int4":
-        groups = k // (block_k or k)
+        if block_k is None:
+            raise ValueError(f"{module}: int4 weights need a group size (block_k)")
+        groups = k // block_k
         if key == "values":
             return pack_int4(unpack_awq(reader.get(f"{module}.qweight", (k, n // 8))),
                              block_k)

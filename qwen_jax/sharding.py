@@ -9,12 +9,15 @@ from __future__ import annotations
 
 import dataclasses
 import logging
+from collections.abc import Mapping
+from typing import Protocol
 
 import jax
 import numpy as np
 from jax.sharding import AxisType, Mesh, NamedSharding, PartitionSpec
 
 from pallas_kernels.quantized import QuantizedWeight
+from qwen_jax.validation import require
 
 logger = logging.getLogger(__name__)
 
@@ -72,8 +75,7 @@ class ParallelConfig:
 
     def __post_init__(self):
         for name in ("tensor_parallel_size", "expert_parallel_size", "data_parallel_size"):
-            if getattr(self, name) < 1:
-                raise ValueError(f"{name} must be >= 1, got {getattr(self, name)}")
+            require(getattr(self, name) >= 1, name, getattr(self, name), ">= 1")
 
     @property
     def replica_size(self) -> int:
@@ -125,15 +127,18 @@ def make_mesh(tensor_parallel_size: int = 1, expert_parallel_size: int = 1,
     return Mesh(grid, MESH_AXES, axis_types=(AxisType.Auto,) * 3)
 
 
-def tp_size(mesh) -> int:
+class AxisSizes(Protocol):
+    """What the rules read of a mesh: its axis sizes (the planner has no devices)."""
+
+    @property
+    def shape(self) -> Mapping[str, int]: ...
+
+
+def tp_size(mesh: AxisSizes | None) -> int:
     return 1 if mesh is None else mesh.shape["model"]
 
 
-def ep_size(mesh: Mesh | None) -> int:
-    return 1 if mesh is None else mesh.shape["expert"]
-
-
-def kv_replication(num_kv_heads: int, mesh: Mesh | None) -> int:
+def kv_replication(num_kv_heads: int, mesh: AxisSizes | None) -> int:
     """How many copies of each KV head the cache holds: TP / K when TP > K (vLLM's scheme:
     every device keeps the one KV head its query heads read), else 1."""
     tp = tp_size(mesh)
@@ -165,14 +170,15 @@ def param_logical_axes(path: tuple) -> tuple:
     raise ValueError(f"no logical axes are declared for parameter {'/'.join(map(str, path))}")
 
 
-def spec_for(axes: tuple, shape: tuple, mesh: Mesh, num_kv_heads: int | None = None
+def spec_for(axes: tuple, shape: tuple, mesh: AxisSizes, num_kv_heads: int | None = None
              ) -> PartitionSpec:
     """PartitionSpec from logical axes via the table. A dim the mesh axis does not divide
     is replicated (vocab of a tiny model), and KV-head weights replicate when TP > K."""
     spec = []
     for axis, dim in zip(axes, shape):
         mesh_axis = LOGICAL_AXIS_RULES[axis]
-        if axis == "kv_heads" and num_kv_heads is not None and kv_replication(num_kv_heads, mesh) > 1:
+        replicated_kv = num_kv_heads is not None and kv_replication(num_kv_heads, mesh) > 1
+        if axis == "kv_heads" and replicated_kv:
             mesh_axis = None
         if mesh_axis is not None and dim % mesh.shape[mesh_axis]:
             logger.info("replicating a dim of %d over %s (not divisible by %d)", dim, mesh_axis,

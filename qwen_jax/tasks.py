@@ -45,13 +45,6 @@ class Problem:
         return f"<think>\n{self.reasoning}\n</think>\n\n{self.answer}"
 
 
-def final_answer(text: str) -> str:
-    """The reply after the think block, split as the server's `--reasoning-parser qwen3`
-    splits it ("" when the reply was cut off inside the think block)."""
-    from serving.reasoning import Qwen3ReasoningParser
-    return (Qwen3ReasoningParser.extract(text)[1] or "").strip()
-
-
 def _number(rng: np.random.Generator, max_digits: int) -> int:
     digits = int(rng.integers(1, max_digits + 1))
     low = 0 if digits == 1 else 10 ** (digits - 1)

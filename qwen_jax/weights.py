@@ -1,43 +1,43 @@
 """HF safetensors -> model params, read lazily one layer's tensor at a time; dummy init.
 
 Peak host memory stays near one tensor of one layer: stacked device buffers are allocated
-once and each layer's slice is written in place by a donated update.
+once and each layer's slice is written in place by a donated update. The model class comes
+from the caller (`Qwen3ForCausalLM.from_pretrained` passes its `cls`): this module never
+imports model.py, which imports it.
 """
 
 from __future__ import annotations
 
 import dataclasses
 import functools
+import typing
 from pathlib import Path
 
 import jax
 import jax.numpy as jnp
 import numpy as np
 from flax import nnx
-
 from jax.sharding import NamedSharding
 from jax.sharding import PartitionSpec as P
 
-from qwen_jax import sharding
+from pallas_kernels.quantized import quantize, stored_shapes
+from qwen_jax import checkpoint, sharding
 from qwen_jax.config import PRESET_DIR, ModelConfig
 from qwen_jax.layers import INIT_STD, random_stored
-from pallas_kernels.quantized import quantize, stored_shapes
-from qwen_jax.model import Qwen3ForCausalLM
-from qwen_jax.quantization import CHECKPOINT_METHODS
+from qwen_jax.options import LOAD_FORMATS
+from qwen_jax.params import (
+    abstract_model,
+    init_buffers,
+    is_pair,
+    logical_shape,
+    params_of,
+    resolve_dtype,
+    weight_groups,
+)
+from qwen_jax.quantization import CHECKPOINT_METHODS, WeightFormat
 from qwen_jax.quantization import resolve as resolve_quantization
 from qwen_jax.quantized_io import float_linear, stored_array, stored_quantized
 from qwen_jax.safetensors_io import CheckpointReader
-
-_DTYPES = {"float32": jnp.float32, "bfloat16": jnp.bfloat16, "float16": jnp.float16}
-
-
-def resolve_dtype(dtype) -> jnp.dtype:
-    if isinstance(dtype, str):
-        if dtype not in _DTYPES:
-            raise ValueError(f"dtype must be one of {', '.join(_DTYPES)}, got {dtype!r}")
-        return _DTYPES[dtype]
-    return jnp.dtype(dtype)
-
 
 ASSETS_DIR = Path(__file__).resolve().parent / "assets"
 DEFAULT_MODEL_DIR = ASSETS_DIR / "tiny-qwen3-moe"  # what LLM() and `qwen-jax serve` load
@@ -63,51 +63,50 @@ def resolve_model_path(model: str | Path) -> Path:
                      f"{', '.join(list_models())}")
 
 
-def load_model(model, dtype="float32", *, impl=None, load_format="auto", seed=0, mesh=None,
-               quantization=None):
-    """Build a Qwen3ForCausalLM from a checkpoint dir (safetensors or orbax) or a preset.
+def load_model(model, dtype="float32", *, model_cls, impl=None, load_format="auto", seed=0,
+               mesh=None, quantization=None):
+    """A `model_cls` from a checkpoint dir (safetensors or orbax) or a preset (dummy).
     quantization: None (the checkpoint's own, if any), or fp8 | int8 | awq (`--quantization`:
     it must match a quantised checkpoint's method; fp8 and int8 quantise a float one at
     load; presets and dummy weights take any)."""
     path = resolve_model_path(model)
     cfg = ModelConfig.from_hf(path)
     dtype = resolve_dtype(dtype)
-    if load_format not in ("auto", "dummy", "safetensors", "orbax"):
-        raise ValueError(f"load_format must be auto, dummy, safetensors or orbax, got {load_format!r}")
+    if load_format not in LOAD_FORMATS:
+        raise ValueError(f"load_format must be one of {', '.join(LOAD_FORMATS)}, "
+                         f"got {load_format!r}")
     dummy = load_format == "dummy" or path.is_file()
     cfg = dataclasses.replace(cfg, quantization=resolve_quantization(
         cfg.quantization, quantization, dummy=dummy))
     if dummy:
-        return init_dummy(cfg, dtype, impl=impl, seed=seed, mesh=mesh)
-    from qwen_jax import checkpoint
+        return init_dummy(cfg, dtype, model_cls=model_cls, impl=impl, seed=seed, mesh=mesh)
     if load_format == "orbax" or (load_format == "auto" and checkpoint.is_orbax_checkpoint(path)):
-        return checkpoint.restore(path, dtype=dtype, impl=impl, mesh=mesh,
+        return checkpoint.restore(path, model_cls=model_cls, dtype=dtype, impl=impl, mesh=mesh,
                                   quantization=cfg.quantization)
-    return load_safetensors(path, cfg, dtype, impl=impl, mesh=mesh)
+    return load_safetensors(path, cfg, dtype, model_cls=model_cls, impl=impl, mesh=mesh)
 
 
-def init_dummy(cfg: ModelConfig, dtype=jnp.float32, *, impl=None, seed=0, mesh=None
-               ) -> Qwen3ForCausalLM:
+def init_dummy(cfg: ModelConfig, dtype=jnp.float32, *, model_cls, impl=None, seed=0, mesh=None):
     """Random params built directly on device (vLLM's load_format=dummy); under a mesh each
     parameter is generated straight into its shards (quantised weights: layers.random_stored)."""
     dtype = resolve_dtype(dtype)
     if mesh is None:
-        return Qwen3ForCausalLM(cfg, dtype=dtype, rngs=nnx.Rngs(seed), impl=impl)
-    graphdef, state = nnx.split(abstract_model(cfg, dtype, impl, mesh))
-    params = _params(state)
+        return model_cls(cfg, dtype=dtype, rngs=nnx.Rngs(seed), impl=impl)
+    graphdef, state = nnx.split(abstract_model(cfg, dtype, impl, mesh, model_cls=model_cls))
+    params = params_of(state)
     targets = sharding.param_shardings({p: v.get_value().shape for p, v in params.items()},
                                        mesh, cfg)
-    roles = {p: role for group in _weight_groups(params).values() if len(group) > 1
+    roles = {p: role for group in weight_groups(params).values() if len(group) > 1
              for role, p in group.items()}
+    kind = None if cfg.quantization is None else cfg.quantization.weight_format.kind
     key = jax.random.key(seed)
     for i, (path, var) in enumerate(params.items()):
         value = var.get_value()
         is_norm = path[-1] == "weight" and "norm" in str(path[-2])
         make = functools.partial(_dummy_param, shape=value.shape, dtype=value.dtype,
-                                 ones=is_norm, role=roles.get(path),
-                                 kind=cfg.quantization and cfg.quantization.weight_format.kind)
+                                 ones=is_norm, role=roles.get(path), kind=kind)
         var.set_value(jax.jit(make, out_shardings=targets[path])(jax.random.fold_in(key, i)))
-    _restore_buffers(state, cfg)
+    init_buffers(state, cfg)
     return nnx.merge(graphdef, state)
 
 
@@ -120,69 +119,17 @@ def _dummy_param(key, *, shape, dtype, ones, role=None, kind=None):
     return jax.random.normal(key, shape, dtype) * jnp.asarray(INIT_STD, dtype)
 
 
-def abstract_model(cfg: ModelConfig, dtype=jnp.float32, impl=None, mesh=None
-                   ) -> Qwen3ForCausalLM:
-    """The model with ShapeDtypeStruct leaves: shapes without memory."""
-    return nnx.eval_shape(lambda: Qwen3ForCausalLM(cfg, dtype=resolve_dtype(dtype), impl=impl,
-                                                   mesh=mesh))
-
-
-def param_count(cfg: ModelConfig) -> int:
-    """Parameters of the model (quantised or not: the float model's count)."""
-    cfg = dataclasses.replace(cfg, quantization=None)
-    state = nnx.state(abstract_model(cfg), nnx.Param)
-    return sum(int(np.prod(x.shape)) for x in jax.tree.leaves(state))
-
-
-# ---- params grouped by weight -------------------------------------------------------------
-def _params(state) -> dict:
-    return {path: var for path, var in nnx.to_flat_state(state) if isinstance(var, nnx.Param)}
-
-
-def _weight_groups(params: dict) -> dict:
-    """{weight path: {"values": path[, "scales": path, "zeros": path]}}: a quantised weight
-    and its companions (<name>_scale, <name>_zero) are loaded together."""
-    groups = {}
-    for path in params:
-        if sharding.base_name(path[-1]) != path[-1]:
-            continue
-        group = {"values": path}
-        for key, suffix in (("scales", "_scale"), ("zeros", "_zero")):
-            if path[:-1] + (path[-1] + suffix,) in params:
-                group[key] = path[:-1] + (path[-1] + suffix,)
-        groups[path] = group
-    return groups
-
-
-def quantized_paths(state) -> set:
-    """Paths of every quantised weight's stored arrays (values, scales, zero points)."""
-    return {p for group in _weight_groups(_params(state)).values() if len(group) > 1
-            for p in group.values()}
-
-
-def _logical_shape(path, stored_shape, cfg: ModelConfig) -> tuple[int, ...]:
-    """The float shape of a quantised weight (int4 values hold two K rows per byte)."""
-    if cfg.quantization.weight_format.kind != "int4":
-        return tuple(stored_shape)
-    k_dim = len(stored_shape) + (-3 if _is_pair(path) else -2)
-    return tuple(d * 2 if i == k_dim else d for i, d in enumerate(stored_shape))
-
-
-def _is_pair(path) -> bool:
-    return "gate_up" in sharding.param_logical_axes(path)
-
-
-def _quantizer(path, cfg: ModelConfig, targets: dict, group: dict, *, layer=False):
+# ---- loading helpers -------------------------------------------------------------------
+def _quantizer(path, fmt: WeightFormat, targets: dict, group: dict, *, layer=False):
     """A jitted float weight -> {key: stored array} for `group`, each made in its shards
     (targets; `layer`: one layer of a stack, its leading dim dropped)."""
-    fmt = cfg.quantization.weight_format
     keys = tuple(group)
     outs = None if not targets else tuple(
         _drop_layer_dim(targets[group[k]]) if layer else targets[group[k]] for k in keys)
 
     def quantize_weight(w):
         q = quantize(w, fmt.kind, block_k=fmt.block_k, block_n=fmt.block_n,
-                     pair=_is_pair(path))
+                     pair=is_pair(path))
         stored = {"values": q.values, "scales": q.scales, "zeros": q.zeros}
         return tuple(stored[k] for k in keys)
 
@@ -192,11 +139,6 @@ def _quantizer(path, cfg: ModelConfig, targets: dict, group: dict, *, layer=Fals
 
 def _drop_layer_dim(target: NamedSharding) -> NamedSharding:
     return NamedSharding(target.mesh, P(*target.spec[1:]))
-
-
-def _set_group(params: dict, group: dict, arrays: dict) -> None:
-    for key, path in group.items():
-        params[path].set_value(arrays[key])
 
 
 # ---- HF name table ---------------------------------------------------------------------
@@ -303,32 +245,31 @@ def _to_device(host, sharding, dtype):
         tuple(host.shape), sharding, lambda index: np.asarray(host[index]).astype(dtype))
 
 
-def load_safetensors(directory, cfg: ModelConfig, dtype, *, impl=None, mesh=None
-                     ) -> Qwen3ForCausalLM:
+def load_safetensors(directory, cfg: ModelConfig, dtype, *, model_cls, impl=None, mesh=None):
     reader = CheckpointReader(directory)
     quant = cfg.quantization
     if quant is not None and not quant.online and quant.method not in CHECKPOINT_METHODS:
         raise ValueError(f"quantization_config.quant_method is {quant.method!r}: safetensors "
                          f"checkpoints are read as {' or '.join(CHECKPOINT_METHODS)}")
-    graphdef, state = nnx.split(abstract_model(cfg, dtype, impl, mesh))
-    params = _params(state)
+    graphdef, state = nnx.split(abstract_model(cfg, dtype, impl, mesh, model_cls=model_cls))
+    params = params_of(state)
     targets = {} if mesh is None else sharding.param_shardings(
         {p: v.get_value().shape for p, v in params.items()}, mesh, cfg)
-    for path, group in _weight_groups(params).items():
+    for path, group in weight_groups(params).items():
         if path[0] == "segments":
             _load_stacked(reader, cfg, path, group, params, targets, dtype)
         else:
             value = params[path].get_value()
-            host = hf_global_tensor(reader, cfg, tuple(path), value.shape)
+            host = hf_global_tensor(reader, cfg, tuple(str(p) for p in path), value.shape)
             params[path].set_value(_to_device(host, targets.get(path), value.dtype))
-    _restore_buffers(state, cfg)
+    init_buffers(state, cfg)
     return nnx.merge(graphdef, state)
 
 
 def _load_stacked(reader, cfg, path, group, params, targets, dtype) -> None:
     """One stacked weight (and its companions): device buffers [X, ...] allocated once,
     each layer read and written in place."""
-    _, first, count = cfg.segments[path[1]]
+    _, first, count = cfg.segments[typing.cast(int, path[1])]
     buffers = {role: sharding.zeros(params[p].get_value().shape, params[p].get_value().dtype,
                                     targets.get(p)) for role, p in group.items()}
     read_layer = _layer_reader(reader, cfg, path, group, params, targets, dtype)
@@ -350,17 +291,11 @@ def _layer_reader(reader, cfg, path, group, params, targets, dtype):
         shape = params[path].get_value().shape[1:]
         return lambda i: {"values": _to_device(hf_layer_tensor(reader, cfg, i, sub, shape),
                                                where["values"], dtypes["values"])}
-    shape = _logical_shape(path, params[path].get_value().shape, cfg)[1:]
+    shape = logical_shape(path, params[path].get_value().shape, cfg)[1:]
     if cfg.quantization.online:
-        quantize_layer = _quantizer(path, cfg, targets, group, layer=True)
+        quantize_layer = _quantizer(path, cfg.quantization.weight_format, targets, group,
+                                    layer=True)
         return lambda i: quantize_layer(_to_device(hf_layer_tensor(reader, cfg, i, sub, shape),
                                                    where["values"], dtype))
     return lambda i: {role: _to_device(host, where[role], dtypes[role]) for role, host in
                       hf_layer_stored(reader, cfg, i, sub, shape).items()}
-
-
-def _restore_buffers(state, cfg: ModelConfig) -> None:
-    """Non-Param variables (the RoPE table) are derived from the config, not loaded."""
-    for path, var in nnx.to_flat_state(state):
-        if path == ("rope_inv_freq",):
-            var.set_value(jnp.asarray(cfg.rope_inv_freq_and_scale[0]))

@@ -61,6 +61,8 @@ class AsyncLLM:
         """Stream cumulative RequestOutputs until the request finishes. Leaving the loop
         early (or cancelling the task) aborts the request and frees its pages."""
         request_id = request_id or uuid.uuid4().hex
+        # The stream is registered before the engine sees the request (its first output
+        # must find it), so a second one must not replace it: the engine's check is too late.
         if request_id in self._streams:
             raise ValueError(f"request_id {request_id!r} is already in use")
         stream: asyncio.Queue = asyncio.Queue()

@@ -65,7 +65,7 @@ def pick_seq_bucket(token_bucket: int, num_seqs: int, seq_buckets: Sequence[int]
 
 def bucket_pairs(token_buckets: Sequence[int], seq_buckets: Sequence[int]) -> list[tuple[int, int]]:
     """Every (T, S) that build_model_inputs can pick."""
-    pairs = []
+    pairs: list[tuple[int, int]] = []
     for t in token_buckets:
         max_s = _largest_seq_bucket(t, seq_buckets)
         if t >= ONE_SEQ_BUCKET_FROM:

@@ -11,9 +11,7 @@ import argparse
 import sys
 import time
 
-from qwen_jax.quantization import QUANTIZATION_METHODS
-
-DTYPES = ("float32", "bfloat16", "float16")
+from qwen_jax.options import PARAM_DTYPES, QUANTIZATION_METHODS
 
 
 # ---- convert ---------------------------------------------------------------------------
@@ -24,7 +22,7 @@ def _add_convert(subparsers) -> None:
                     "and save its params with orbax, plus config.json and tokenizer files.")
     p.add_argument("--model", required=True, help="HF checkpoint directory or preset name")
     p.add_argument("--output", required=True, help="directory to write the orbax checkpoint to")
-    p.add_argument("--dtype", default="float32", choices=DTYPES,
+    p.add_argument("--dtype", default="float32", choices=PARAM_DTYPES,
                    help="parameter dtype of the saved checkpoint (default: float32)")
     p.add_argument("--quantization", "-q", default=None, choices=QUANTIZATION_METHODS,
                    help="save quantised weights: fp8 | int8 quantise a float checkpoint "
@@ -36,11 +34,12 @@ def _run_convert(args) -> int:
     from pathlib import Path
 
     from qwen_jax import checkpoint
-    from qwen_jax.weights import load_model, param_count
+    from qwen_jax.model import Qwen3ForCausalLM
+    from qwen_jax.planner import param_count
 
     start = time.perf_counter()
-    model = load_model(args.model, dtype=args.dtype, load_format="auto",
-                       quantization=args.quantization)
+    model = Qwen3ForCausalLM.from_pretrained(args.model, args.dtype,
+                                             quantization=args.quantization)
     source_dir = args.model if Path(args.model).is_dir() else None
     out = checkpoint.save(model, args.output, source_dir=source_dir)
     seconds = time.perf_counter() - start
@@ -66,7 +65,7 @@ _SAMPLING_OPTIONS = (  # (flag, type, SamplingParams field)
 def _add_generate(subparsers) -> None:
     from serving.cli_args import add_engine_args
     p = subparsers.add_parser(
-        "generate", help="offline batch generation over a JSONL file (resumable)",
+        "generate", help="offline generation over a JSONL file (resumable)",
         description="Each input line: {\"id\", \"prompt\" (text or token ids) | \"messages\", "
                     "optional SamplingParams fields}. One result line per id is appended to "
                     "--output as it finishes; rerunning skips the ids already there.")
@@ -89,8 +88,8 @@ def _add_generate(subparsers) -> None:
 def _run_generate(args) -> int:
     import json
 
-    from qwen_jax.batch import generate_file
     from serving.cli_args import engine_kwargs
+    from serving.generate_file import generate_file
 
     sampling = {k[3:]: v for k, v in vars(args).items() if k.startswith("sp_") and v is not None}
     summary = generate_file(args.input, args.output, model=args.model,
@@ -121,7 +120,7 @@ def _add_bench(subparsers) -> None:
 
 
 def _run_bench_serve(args) -> int:
-    from serving.bench.serve import bench_serve
+    from serving.bench.load_generator import bench_serve
     try:
         report = bench_serve(args)
     except (ValueError, RuntimeError) as e:
@@ -167,7 +166,7 @@ def _add_serve(subparsers) -> None:
 
 def _run_serve(args) -> int:
     from serving.cli_args import engine_kwargs
-    from serving.serve import run
+    from serving.server import run
     return run(args, engine_kwargs(args))
 
 
@@ -176,7 +175,7 @@ def _add_plan(subparsers) -> None:
     p = subparsers.add_parser(
         "plan", help="memory plan: per-device weights, KV pages and tokens for a layout")
     p.add_argument("--model", required=True, help="checkpoint directory or preset name")
-    p.add_argument("--dtype", default="bfloat16", choices=DTYPES)
+    p.add_argument("--dtype", default="bfloat16", choices=PARAM_DTYPES)
     p.add_argument("--tensor-parallel-size", "-tp", type=int, default=1)
     p.add_argument("--expert-parallel-size", "-ep", type=int, default=1)
     p.add_argument("--device-memory-gb", type=float, default=141.0,

@@ -4,14 +4,15 @@ from __future__ import annotations
 
 import argparse
 
-from qwen_jax.quantization import QUANTIZATION_METHODS
+from qwen_jax.options import KV_CACHE_DTYPES, LOAD_FORMATS, PARAM_DTYPES, QUANTIZATION_METHODS
 
 
 def _int_list(text: str) -> list[int]:
     try:
         return [int(x) for x in text.split(",") if x]
     except ValueError:
-        raise argparse.ArgumentTypeError(f"expected comma-separated integers, got {text!r}")
+        raise argparse.ArgumentTypeError(
+            f"expected comma-separated integers, got {text!r}") from None
 
 
 def add_engine_args(parser: argparse.ArgumentParser) -> None:
@@ -19,11 +20,10 @@ def add_engine_args(parser: argparse.ArgumentParser) -> None:
     g.add_argument("--model", default=None,
                    help="checkpoint directory or preset name (default: the embedded tiny model)")
     g.add_argument("--tokenizer", default=None, help="tokenizer directory (default: the model's)")
-    g.add_argument("--dtype", default="auto", choices=("auto", "float32", "bfloat16", "float16"))
+    g.add_argument("--dtype", default="auto", choices=("auto", *PARAM_DTYPES))
     g.add_argument("--impl", default="auto", choices=("auto", "pallas", "reference"),
                    help="kernels: pallas on GPU, jnp reference elsewhere (auto)")
-    g.add_argument("--load-format", default="auto",
-                   choices=("auto", "dummy", "safetensors", "orbax"))
+    g.add_argument("--load-format", default="auto", choices=LOAD_FORMATS)
     g.add_argument("--quantization", "-q", default=None, choices=QUANTIZATION_METHODS,
                    help="weights: fp8 / awq checkpoints load quantised without it; fp8 | int8 "
                         "quantise a float checkpoint at load (presets: any)")
@@ -36,7 +36,7 @@ def add_engine_args(parser: argparse.ArgumentParser) -> None:
     g.add_argument("--num-gpu-blocks-override", type=int, default=None)
     g.add_argument("--gpu-memory-utilization", "--kv-cache-fraction", type=float, default=0.9,
                    dest="gpu_memory_utilization")
-    g.add_argument("--kv-cache-dtype", default="auto")
+    g.add_argument("--kv-cache-dtype", default="auto", choices=tuple(KV_CACHE_DTYPES))
     g.add_argument("--enable-prefix-caching", action=argparse.BooleanOptionalAction, default=True)
     g.add_argument("--scheduling-policy", default="fcfs", choices=("fcfs", "priority"),
                    dest="policy")

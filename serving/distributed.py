@@ -8,14 +8,12 @@ processes run `follower_loop` until process 0 says stop.
 
 from __future__ import annotations
 
-import dataclasses
 import logging
 
 import jax
 import numpy as np
 
-from serving.batch import ModelInputs
-from serving.runner import padding_inputs, padding_sampling
+from serving.runner import StepInputs, padding_inputs, padding_sampling
 from serving.sampler import SamplingArrays
 
 logger = logging.getLogger(__name__)
@@ -54,31 +52,25 @@ def _broadcast(tree):
     return multihost_utils.broadcast_one_to_all(tree)
 
 
-def _as_tree(inputs: ModelInputs, sampling: SamplingArrays):
-    return inputs.arrays(), dataclasses.asdict(sampling)
-
-
-def publish_step(inputs: ModelInputs, sampling: SamplingArrays) -> None:
+def publish_step(inputs: StepInputs, sampling: SamplingArrays) -> None:
     """Process 0: send this step's inputs to every other process."""
-    header = np.array([_STEP, inputs.padded_num_tokens, inputs.padded_num_seqs], np.int32)
-    _broadcast(header)
-    _broadcast(_as_tree(inputs, sampling))
+    _broadcast(np.array([_STEP, *inputs.bucket], np.int32))
+    _broadcast((inputs, sampling))
 
 
 def publish_stop() -> None:
     _broadcast(np.array([_STOP, 0, 0], np.int32))
 
 
-def receive_step(pages_per_seq: int, max_model_len: int):
-    """Followers: the next step's (ModelInputs, SamplingArrays), or None on stop."""
+def receive_step(pages_per_seq: int, max_model_len: int
+                 ) -> tuple[StepInputs, SamplingArrays] | None:
+    """Followers: the next step's inputs, or None on stop."""
     command, num_tokens, num_seqs = (int(x) for x in _broadcast(np.zeros(3, np.int32)))
     if command == _STOP:
         return None
-    template = _as_tree(padding_inputs(num_tokens, num_seqs, pages_per_seq),
-                        padding_sampling(num_seqs, max_model_len))
-    arrays, sampling = jax.tree.map(np.asarray, _broadcast(template))
-    inputs = ModelInputs(**arrays, num_tokens=int(arrays["query_start"][int(arrays["num_seqs"])]))
-    return inputs, SamplingArrays(**sampling)
+    template = (StepInputs.from_batch(padding_inputs(num_tokens, num_seqs, pages_per_seq)),
+                padding_sampling(num_seqs, max_model_len))
+    return jax.tree.map(np.asarray, _broadcast(template))
 
 
 def follower_loop(engine) -> int:

@@ -11,17 +11,27 @@ import jax
 import numpy as np
 
 from qwen_jax.config import ModelConfig
+from qwen_jax.model import Qwen3ForCausalLM
+from qwen_jax.params import resolve_kv_cache_dtype
+from qwen_jax.planner import kv_bytes_per_page
 from qwen_jax.sharding import make_mesh, tp_size
-from qwen_jax.weights import DEFAULT_MODEL_DIR, load_model, resolve_model_path
+from qwen_jax.tokenizer import Tokenizer
+from qwen_jax.weights import DEFAULT_MODEL_DIR, resolve_model_path
 from serving import distributed, kv_cache
 from serving.batch import build_model_inputs
 from serving.buckets import bucket_pairs
+from serving.detokenizer import IncrementalDetokenizer
 from serving.engine_config import EngineConfig
 from serving.kv_cache_manager import KVCacheManager
 from serving.output_processor import OutputProcessor, ParentState, SeqState
 from serving.request import Request, RequestOutput, SamplingParams
-from serving.runner import ModelRunner, default_compilation_cache_dir, enable_compilation_cache
-from serving.sampler import NUM_BLOCKED, build_sampling_arrays, uses_penalties
+from serving.runner import (
+    ModelRunner,
+    StepInputs,
+    default_compilation_cache_dir,
+    enable_compilation_cache,
+)
+from serving.sampler import NUM_BLOCKED, SamplingEntry, build_sampling_arrays, uses_penalties
 from serving.scheduler import Scheduler
 
 logger = logging.getLogger(__name__)
@@ -35,13 +45,14 @@ class LLMEngine:
     def __init__(self, config: EngineConfig, devices=None):
         self.config = config
         cache_dir = config.compilation_cache_dir
-        enable_compilation_cache(default_compilation_cache_dir() if cache_dir == "default" else cache_dir)
+        enable_compilation_cache(
+            default_compilation_cache_dir() if cache_dir == "default" else cache_dir)
         started = time.perf_counter()
         self.model_path = resolve_model_path(config.model or DEFAULT_MODEL_DIR)
         self.mesh = self._make_mesh(devices)
-        self.model = load_model(self.model_path, dtype=self._dtype(), impl=self._impl(),
-                                load_format=config.load_format, seed=config.seed, mesh=self.mesh,
-                                quantization=config.quantization)
+        self.model = Qwen3ForCausalLM.from_pretrained(
+            self.model_path, self._dtype(), impl=self._impl(), load_format=config.load_format,
+            seed=config.seed, mesh=self.mesh, quantization=config.quantization)
         self.load_seconds = time.perf_counter() - started
         self.model_config = self.model.config
         self.tokenizer = self._load_tokenizer()
@@ -76,8 +87,7 @@ class LLMEngine:
     def _impl(self) -> str | None:
         return None if self.config.impl == "auto" else self.config.impl
 
-    def _load_tokenizer(self):
-        from qwen_jax.tokenizer import Tokenizer
+    def _load_tokenizer(self) -> Tokenizer | None:
         path = Path(self.config.tokenizer or self.model_path)
         return Tokenizer.from_dir(path) if path.is_dir() else None
 
@@ -88,33 +98,32 @@ class LLMEngine:
             sched = dataclasses.replace(sched, max_model_len=min(
                 DEFAULT_MAX_MODEL_LEN, self.model_config.max_position_embeddings))
         self.scheduler_config = sched
-        if sched.max_model_len > self.model_config.max_position_embeddings:
+        if self.max_model_len > self.model_config.max_position_embeddings:
             raise ValueError(
-                f"max_model_len={sched.max_model_len} exceeds the model's "
+                f"max_model_len={self.max_model_len} exceeds the model's "
                 f"max_position_embeddings={self.model_config.max_position_embeddings}")
-        self.block_size = cache.block_size
-        self.pages_per_seq = sched.pages_per_seq(cache.block_size)
-        dtype = kv_cache.kv_cache_dtype(cache.kv_cache_dtype, self.model.dtype)
+        self.page_size = cache.block_size  # vLLM's option name for the page size
+        self.pages_per_seq = sched.pages_per_seq(self.page_size)
+        dtype = resolve_kv_cache_dtype(cache.kv_cache_dtype, self.model.dtype)
         max_pages = 1 + sched.max_num_seqs * self.pages_per_seq
-        heads = self.model.num_cache_kv_heads // tp_size(self.mesh)  # per device
-        self.bytes_per_page = kv_cache.bytes_per_page(self.model_config, cache.block_size, dtype,
-                                                      heads)
+        self.bytes_per_page = kv_bytes_per_page(self.model_config, self.page_size, dtype,
+                                                tp_size(self.mesh))
         self.num_pages = kv_cache.num_pages_to_allocate(cache, self.bytes_per_page, max_pages)
-        caches = kv_cache.allocate(self.model, self.num_pages, cache.block_size, dtype)
-        self.kv_manager = KVCacheManager(self.num_pages, cache.block_size,
+        caches = kv_cache.allocate(self.model, self.num_pages, self.page_size, dtype)
+        self.kv_manager = KVCacheManager(self.num_pages, self.page_size,
                                          cache.enable_prefix_caching)
         self.scheduler = Scheduler(sched, self.kv_manager)
-        self.runner = ModelRunner(self.model, caches, max_model_len=sched.max_model_len,
+        self.runner = ModelRunner(self.model, caches, max_model_len=self.max_model_len,
                                   pages_per_seq=self.pages_per_seq, mesh=self.mesh)
         self.bucket_pairs = bucket_pairs(sched.token_bucket_sizes, sched.seq_bucket_sizes)
 
     @property
     def max_model_len(self) -> int:
-        return self.scheduler_config.max_model_len
+        return self.scheduler_config.resolved_max_model_len
 
     @property
     def kv_capacity_tokens(self) -> int:
-        return self.kv_manager.num_total_blocks * self.block_size
+        return self.kv_manager.num_total_pages * self.page_size
 
     # ---- requests ----------------------------------------------------------------------
     def tokenize_prompt(self, prompt) -> tuple[str | None, list[int]]:
@@ -145,26 +154,25 @@ class LLMEngine:
         """Queue a request. `stream=False` makes `step` return its output only once it
         has finished (no per-token output objects: what offline generation needs)."""
         params = sampling_params or SamplingParams()
+        # Request ids, not sequence ids: a request's first sample can finish (and leave the
+        # scheduler) while its others run, so the scheduler's own check cannot cover them.
         if request_id in self._parents:
             raise ValueError(f"request_id {request_id!r} is already in use")
         text, ids = self.tokenize_prompt(prompt)
-        if not ids:
-            raise ValueError("prompt must contain at least one token, got an empty prompt")
-        if len(ids) > self.max_model_len:
-            raise ValueError(f"prompt has {len(ids)} tokens, more than "
-                             f"max_model_len={self.max_model_len}")
         blocked = self._blocked_ids(params)
-        prompt_lps = (None if params.prompt_logprobs is None
-                      else self._prompt_logprobs(ids, params.prompt_logprobs))
         children = []
         try:
             for i in range(params.n):
                 child_id = request_id if params.n == 1 else f"{i}_{request_id}"
+                # Request checks the prompt is non-empty; the scheduler checks its length
+                # and that the cache can ever hold it (before prompt logprobs are computed).
                 request = Request(request_id=child_id, prompt_token_ids=ids, sampling_params=params,
-                                  eos_token_id=None, priority=priority,
-                                  **({"arrival_time": arrival_time} if arrival_time else {}))
+                                  priority=priority,
+                                  arrival_time=arrival_time or time.monotonic())
                 self.scheduler.add_request(request)
                 children.append(self._seq_state(request, request_id, i, params, ids, blocked))
+            prompt_lps = (None if params.prompt_logprobs is None
+                          else self._prompt_logprobs(ids, params.prompt_logprobs))
         except Exception:
             for child in children:
                 self.scheduler.abort(child.request.request_id)
@@ -183,9 +191,10 @@ class LLMEngine:
         if params.min_tokens == 0:
             return ()
         eos = () if params.ignore_eos else tuple(self.output_processor.eos_token_ids)
-        blocked = tuple(dict.fromkeys(eos + tuple(params.stop_token_ids)))
+        stop_ids = tuple(params.stop_token_ids or ())
+        blocked = tuple(dict.fromkeys(eos + stop_ids))
         if len(blocked) > NUM_BLOCKED:
-            raise ValueError(f"stop_token_ids has {len(params.stop_token_ids)} ids; with "
+            raise ValueError(f"stop_token_ids has {len(stop_ids)} ids; with "
                              f"min_tokens > 0 at most {NUM_BLOCKED - len(eos)} are supported")
         return blocked
 
@@ -195,10 +204,10 @@ class LLMEngine:
         seed = (base + index * 0x9E3779B9) % 2**32
         detok = None
         if self.tokenizer is not None:
-            from qwen_jax.tokenizer import IncrementalDetokenizer
             detok = IncrementalDetokenizer(
                 self.tokenizer, prompt_ids, skip_special_tokens=params.skip_special_tokens,
-                stop=list(params.stop), include_stop_str_in_output=params.include_stop_str_in_output)
+                stop=list(params.stop),
+                include_stop_str_in_output=params.include_stop_str_in_output)
         return SeqState(request=request, parent_id=parent_id, index=index, seed=seed,
                         blocked_ids=blocked, detokenizer=detok,
                         logprobs=[] if params.logprobs is not None else None)
@@ -225,18 +234,19 @@ class LLMEngine:
         out = self.scheduler.schedule()
         if out.is_empty:
             return []
-        inputs = build_model_inputs(out, self.scheduler_config.token_bucket_sizes,
-                                    self.scheduler_config.seq_bucket_sizes, self.block_size,
-                                    self.pages_per_seq)
+        batch = build_model_inputs(out, self.scheduler_config.token_bucket_sizes,
+                                   self.scheduler_config.seq_bucket_sizes, self.page_size,
+                                   self.pages_per_seq)
         sampling = build_sampling_arrays(
-            [self._sampling_entry(s.request) for s in out.scheduled], inputs.padded_num_seqs,
+            [self._sampling_entry(s.request) for s in out.scheduled], batch.padded_num_seqs,
             self.max_model_len)
+        inputs = StepInputs.from_batch(batch)
         if distributed.is_multiprocess():
             distributed.publish_step(inputs, sampling)
         started = time.perf_counter()
         result = self.runner.execute(inputs, sampling)
-        self.last_step = {"num_tokens": inputs.num_tokens, "num_seqs": out.num_seqs,
-                          "bucket": inputs.bucket, "seconds": time.perf_counter() - started,
+        self.last_step = {"num_tokens": batch.num_tokens, "num_seqs": out.num_seqs,
+                          "bucket": batch.bucket, "seconds": time.perf_counter() - started,
                           "num_preempted": len(out.preempted)}
         self.scheduler.update_after_step(out)
         touched: dict[str, ParentState] = {}
@@ -245,7 +255,7 @@ class LLMEngine:
             seq = self._seqs.get(request.request_id)
             if not scheduled.samples or seq is None or request.is_finished:
                 continue
-            status = self.output_processor.append(seq, int(result["token"][row]), result, row,
+            status = self.output_processor.append(seq, result, row,
                                                   self.scheduler.is_length_capped)
             if status is not None:
                 self.scheduler.finish(request.request_id, status)
@@ -253,13 +263,13 @@ class LLMEngine:
         return [self._emit(parent) for parent in touched.values()
                 if parent.stream or parent.finished]
 
-    def _sampling_entry(self, request: Request):
+    def _sampling_entry(self, request: Request) -> SamplingEntry:
         seq = self._seqs[request.request_id]
         params = request.sampling_params
         blocked = seq.blocked_ids if request.num_output_tokens < params.min_tokens else ()
         tokens = request.all_token_ids if uses_penalties(params) else None
-        return (params, seq.seed, request.num_output_tokens, blocked, tokens,
-                request.num_prompt_tokens)
+        return SamplingEntry(params, seq.seed, request.num_output_tokens, blocked, tokens,
+                             request.num_prompt_tokens)
 
     def _emit(self, parent: ParentState) -> RequestOutput:
         output = self.output_processor.request_output(parent)
@@ -275,9 +285,9 @@ class LLMEngine:
         return {
             "num_running": self.scheduler.num_running,
             "num_waiting": self.scheduler.num_waiting,
-            "num_free_pages": kv.num_free_blocks,
-            "num_total_pages": kv.num_total_blocks,
-            "num_used_pages": kv.num_total_blocks - kv.num_free_blocks,
+            "num_free_pages": kv.num_free_pages,
+            "num_total_pages": kv.num_total_pages,
+            "num_used_pages": kv.num_total_pages - kv.num_free_pages,
             "kv_cache_usage": kv.usage,
             "num_preemptions": self.scheduler.num_preemptions,
             "prefix_cache_hit_rate": kv.prefix_cache_hit_rate,

@@ -4,13 +4,14 @@ from __future__ import annotations
 
 import dataclasses
 
-from qwen_jax.quantization import QUANTIZATION_METHODS
+import pallas_kernels
+from qwen_jax.options import LOAD_FORMATS, PARAM_DTYPES, QUANTIZATION_METHODS
 from qwen_jax.sharding import ParallelConfig
-from serving.config import CacheConfig, SchedulerConfig, _require
+from qwen_jax.validation import require
+from serving.config import CacheConfig, SchedulerConfig
 
-DTYPES = ("auto", "float32", "bfloat16", "float16")
-IMPLS = ("auto", "pallas", "reference")
-LOAD_FORMATS = ("auto", "dummy", "safetensors", "orbax")
+DTYPES = ("auto", *PARAM_DTYPES)  # auto: float32 on CPU, bfloat16 on GPU
+IMPLS = ("auto", *pallas_kernels.IMPLS)  # auto: pallas on GPU, reference elsewhere
 
 
 @dataclasses.dataclass(frozen=True, kw_only=True)
@@ -34,10 +35,9 @@ class EngineConfig:
     show_progress: bool = True
 
     def __post_init__(self) -> None:
-        _require(self.dtype in DTYPES, f"dtype must be one of {DTYPES}, got {self.dtype!r}")
-        _require(self.impl in IMPLS, f"impl must be one of {IMPLS}, got {self.impl!r}")
-        _require(self.load_format in LOAD_FORMATS,
-                 f"load_format must be one of {LOAD_FORMATS}, got {self.load_format!r}")
-        _require(self.quantization in (None, *QUANTIZATION_METHODS),
-                 f"quantization must be one of {QUANTIZATION_METHODS} (or None: the "
-                 f"checkpoint's), got {self.quantization!r}")
+        require(self.dtype in DTYPES, "dtype", self.dtype, f"one of {DTYPES}")
+        require(self.impl in IMPLS, "impl", self.impl, f"one of {IMPLS}")
+        require(self.load_format in LOAD_FORMATS, "load_format", self.load_format,
+                f"one of {LOAD_FORMATS}")
+        require(self.quantization in (None, *QUANTIZATION_METHODS), "quantization",
+                self.quantization, f"one of {QUANTIZATION_METHODS}, or None (the checkpoint's)")

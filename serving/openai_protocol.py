@@ -264,7 +264,7 @@ def _read_prompts(prompt: Any, vocab_size: int) -> list:
     if len(prompt) > MAX_BATCH_PROMPTS:
         raise bad("prompt", f"prompt batch has {len(prompt)} prompts; at most "
                             f"{MAX_BATCH_PROMPTS}")
-    batch = []
+    batch: list[str | list[int]] = []
     for i, p in enumerate(prompt):
         if isinstance(p, str):
             batch.append(p)

@@ -4,22 +4,58 @@ sampling. One executable per (token bucket, sequence bucket); the KV cache is do
 from __future__ import annotations
 
 import concurrent.futures
+import dataclasses
 import logging
 import os
 import time
+from collections.abc import Callable
 from pathlib import Path
 
 import jax
-import jax.numpy as jnp
 import numpy as np
 from flax import nnx
+from jax.sharding import NamedSharding
 
+from pallas_kernels.array_types import Array, Int
 from qwen_jax.attention import AttentionMetadata
 from qwen_jax.sharding import replicated
 from serving.batch import ModelInputs
-from serving.sampler import NUM_TOP_LOGPROBS, SamplingArrays, build_sampling_arrays, sample
+from serving.sampler import (
+    SamplerOutput,
+    SamplingArrays,
+    TokenLogprobs,
+    build_sampling_arrays,
+    sample,
+    token_logprobs,
+)
 
 logger = logging.getLogger(__name__)
+
+
+@jax.tree_util.register_dataclass
+@dataclasses.dataclass(frozen=True)
+class StepInputs:
+    """The jitted step's argument: one padded batch as the model reads it. Host numpy
+    arrays until the step (or the multi-host broadcast) moves them to the devices."""
+
+    token_ids: Int[Array | np.ndarray, " T"]
+    positions: Int[Array | np.ndarray, " T"]
+    logits_index: Int[Array | np.ndarray, " S"]  # flat index of each sequence's last token
+    attention: AttentionMetadata
+
+    @classmethod
+    def from_batch(cls, batch: ModelInputs) -> StepInputs:
+        return cls(token_ids=batch.token_ids, positions=batch.positions,
+                   logits_index=batch.logits_index,
+                   attention=AttentionMetadata(
+                       slot_mapping=batch.slot_mapping, query_start=batch.query_start,
+                       kv_lens=batch.kv_lens, page_table=batch.page_table,
+                       num_seqs=batch.num_seqs))
+
+    @property
+    def bucket(self) -> tuple[int, int]:
+        """(T, S): the compiled step this batch runs."""
+        return self.token_ids.shape[0], self.logits_index.shape[0]
 
 
 def default_compilation_cache_dir() -> str:
@@ -45,11 +81,11 @@ class ModelRunner:
         self.kv_caches = kv_caches
         self.max_model_len = max_model_len
         self.pages_per_seq = pages_per_seq
-        self._executables: dict[tuple[int, int], object] = {}  # (T, S) -> compiled step
-        self._scorers: dict[int, object] = {}  # padded prompt length -> jitted scorer
+        self._executables: dict[tuple[int, int], jax.stages.Compiled] = {}  # (T, S) -> step
+        self._scorers: dict[int, Callable] = {}  # padded prompt length -> jitted scorer
         # Under a mesh the host inputs go to every device (replicated) and the caches keep
         # their kv-head shards across steps.
-        self._inputs_sharding = None if mesh is None else replicated(mesh)
+        self._inputs_sharding: NamedSharding | None = None if mesh is None else replicated(mesh)
         cache_shardings = None if mesh is None else jax.tree.map(lambda x: x.sharding, kv_caches)
         self._step = jax.jit(self._step_impl, donate_argnums=(1,),
                              out_shardings=None if mesh is None else (cache_shardings,
@@ -61,36 +97,35 @@ class ModelRunner:
         power-of-two prompt length the first time a request asks for prompt_logprobs."""
         return len(self._executables) + len(self._scorers)
 
-    def _step_impl(self, state, kv_caches, inputs: dict, sampling: SamplingArrays):
+    def _step_impl(self, state, kv_caches, inputs: StepInputs, sampling: SamplingArrays):
         model = nnx.merge(self.graphdef, state)
-        meta = AttentionMetadata(
-            slot_mapping=inputs["slot_mapping"], query_start=inputs["query_start"],
-            kv_lens=inputs["kv_lens"], page_table=inputs["page_table"],
-            num_seqs=inputs["num_seqs"])
-        hidden, kv_caches = model.forward(inputs["token_ids"], inputs["positions"], kv_caches, meta)
-        logits = model.compute_logits(hidden[inputs["logits_index"]])  # [S, V] f32
+        hidden, kv_caches = model.forward(inputs.token_ids, inputs.positions, kv_caches,
+                                          inputs.attention)
+        logits = model.compute_logits(hidden[inputs.logits_index])  # [S, V] f32
         return kv_caches, sample(logits, sampling)
 
-    def execute(self, inputs: ModelInputs, sampling: SamplingArrays) -> dict[str, np.ndarray]:
-        """Run one step; returns host arrays (token, logprob, rank, top_ids, top_logprobs)."""
-        arrays = (inputs.arrays(), sampling)
+    def execute(self, inputs: StepInputs, sampling: SamplingArrays) -> SamplerOutput:
+        """Run one step; returns its sampled tokens and logprobs as host arrays."""
+        args = (inputs, sampling)
         if self._inputs_sharding is not None:
-            arrays = jax.tree.map(self._replicate, arrays)
+            args = jax.tree.map(self._replicate, args)
         step = self._executables.get(inputs.bucket) or self._compile([inputs.bucket])[0]
-        self.kv_caches, out = step(self.state, self.kv_caches, *arrays)
+        self.kv_caches, out = step(self.state, self.kv_caches, *args)
         return jax.device_get(out)
 
     def _replicate(self, host: np.ndarray) -> jax.Array:
-        """Host array -> global replicated array; works across processes too, where each
-        process holds the same (broadcast) values."""
+        """Host array -> global replicated array (under a mesh); works across processes too,
+        where each process holds the same (broadcast) values."""
+        if self._inputs_sharding is None:
+            raise ValueError("replicating inputs needs a mesh")
         host = np.asarray(host)
         return jax.make_array_from_callback(host.shape, self._inputs_sharding,
                                             lambda index: host[index])
 
-    def score_prompt(self, token_ids: list[int]) -> dict[str, np.ndarray]:
+    def score_prompt(self, token_ids: list[int]) -> TokenLogprobs:
         """Logprobs of each prompt token given its prefix (vLLM's prompt_logprobs), from a
         full-sequence forward padded to a power of two (compiled once per length bucket).
-        Returns host arrays for positions 1..n-1: logprob, rank, top_ids, top_logprobs."""
+        Returns host arrays with a row for each of positions 1..n-1."""
         num = len(token_ids)
         padded = max(16, 1 << (num - 1).bit_length())
         ids = np.zeros((1, padded), np.int32)
@@ -98,20 +133,16 @@ class ModelRunner:
         if padded not in self._scorers:
             self._scorers[padded] = jax.jit(self._score_impl)
         out = self._scorers[padded](self.state, ids)
-        return {k: np.asarray(v)[:num - 1] for k, v in jax.device_get(out).items()}
+        return jax.tree.map(lambda v: np.asarray(v)[:num - 1], jax.device_get(out))
 
-    def _score_impl(self, state, ids):
+    def _score_impl(self, state, ids) -> TokenLogprobs:
         model = nnx.merge(self.graphdef, state)
         logprobs = jax.nn.log_softmax(model(ids)[0, :-1], axis=-1)  # [T-1, V] f32
-        target = ids[0, 1:]
-        token_lp = jnp.take_along_axis(logprobs, target[:, None], axis=-1)[:, 0]
-        top_logprobs, top_ids = jax.lax.top_k(logprobs, min(NUM_TOP_LOGPROBS, logprobs.shape[-1]))
-        rank = 1 + jnp.sum(logprobs > token_lp[:, None], axis=-1)
-        return dict(logprob=token_lp, rank=rank, top_ids=top_ids, top_logprobs=top_logprobs)
+        return token_logprobs(logprobs, ids[0, 1:])
 
     def _abstract_args(self, bucket):
         t, s = bucket
-        host = (padding_inputs(t, s, self.pages_per_seq).arrays(),
+        host = (StepInputs.from_batch(padding_inputs(t, s, self.pages_per_seq)),
                 padding_sampling(s, self.max_model_len))
         return jax.tree.map(lambda x: jax.ShapeDtypeStruct(
             np.shape(x), np.asarray(x).dtype, sharding=self._inputs_sharding), host)

@@ -9,6 +9,7 @@ from __future__ import annotations
 
 import dataclasses
 import functools
+from collections.abc import Sequence
 
 import jax
 import jax.numpy as jnp
@@ -39,6 +40,39 @@ class SamplingArrays:
     num_prompt_tokens: np.ndarray  # i32[S]: how many of penalty_tokens are prompt
 
 
+@dataclasses.dataclass(slots=True)
+class SamplingEntry:
+    """One sequence's row of a step's SamplingArrays (built per sequence per step: slots,
+    positional construction, no validation)."""
+
+    params: SamplingParams
+    seed: int
+    output_index: int  # which output token this draw is
+    blocked_ids: tuple[int, ...]  # ids masked this step (eos/stop ids before min_tokens)
+    penalty_tokens: list[int] | None  # prompt + output ids; None unless penalties apply
+    num_prompt_tokens: int
+
+
+@jax.tree_util.register_dataclass
+@dataclasses.dataclass(frozen=True)
+class TokenLogprobs:
+    """Per row: the logprob of one chosen token, its rank, and the most likely tokens."""
+
+    logprob: jax.Array  # f32[R]
+    rank: jax.Array  # i32[R]: 1 + the number of strictly more likely tokens
+    top_ids: jax.Array  # i32[R, NUM_TOP_LOGPROBS] most likely first
+    top_logprobs: jax.Array  # f32[R, NUM_TOP_LOGPROBS]
+
+
+@jax.tree_util.register_dataclass
+@dataclasses.dataclass(frozen=True)
+class SamplerOutput:
+    """What one step samples: a token per sequence and logprobs of the raw distribution."""
+
+    token_ids: jax.Array  # i32[S]
+    logprobs: TokenLogprobs
+
+
 @functools.lru_cache(maxsize=64)
 def _no_penalty_tokens(num_seqs: int, width: int) -> np.ndarray:
     """The all-padding [S, W] penalty array, built once per shape and shared read-only:
@@ -48,9 +82,9 @@ def _no_penalty_tokens(num_seqs: int, width: int) -> np.ndarray:
     return template
 
 
-def build_sampling_arrays(entries, num_padded_seqs: int, max_model_len: int) -> SamplingArrays:
-    """entries: per real sequence (params, seed, output_index, blocked ids, token ids or None,
-    num prompt tokens). Rows past the real sequences are greedy padding."""
+def build_sampling_arrays(entries: Sequence[SamplingEntry], num_padded_seqs: int,
+                          max_model_len: int) -> SamplingArrays:
+    """One row per real sequence's entry; rows past them are greedy padding."""
     s = num_padded_seqs
     arrays = SamplingArrays(
         temperature=np.zeros(s, np.float32), top_p=np.ones(s, np.float32),
@@ -60,20 +94,22 @@ def build_sampling_arrays(entries, num_padded_seqs: int, max_model_len: int) -> 
         output_index=np.zeros(s, np.int32), blocked_ids=np.full((s, NUM_BLOCKED), -1, np.int32),
         penalty_tokens=_no_penalty_tokens(s, max_model_len),
         num_prompt_tokens=np.zeros(s, np.int32))
-    for i, (p, seed, out_idx, blocked, tokens, num_prompt) in enumerate(entries):
+    for i, entry in enumerate(entries):
+        p = entry.params
         arrays.temperature[i] = p.temperature
         arrays.top_p[i], arrays.top_k[i], arrays.min_p[i] = p.top_p, max(p.top_k, 0), p.min_p
         arrays.presence_penalty[i] = p.presence_penalty
         arrays.frequency_penalty[i] = p.frequency_penalty
         arrays.repetition_penalty[i] = p.repetition_penalty
-        arrays.seed[i], arrays.output_index[i] = seed, out_idx
-        if blocked:
-            arrays.blocked_ids[i, :len(blocked)] = blocked
+        arrays.seed[i], arrays.output_index[i] = entry.seed, entry.output_index
+        if entry.blocked_ids:
+            arrays.blocked_ids[i, :len(entry.blocked_ids)] = entry.blocked_ids
+        tokens = entry.penalty_tokens
         if tokens is not None:  # only requests that use penalties pay for this copy
             if not arrays.penalty_tokens.flags.writeable:
                 arrays.penalty_tokens = arrays.penalty_tokens.copy()
             arrays.penalty_tokens[i, :len(tokens)] = tokens
-            arrays.num_prompt_tokens[i] = num_prompt
+            arrays.num_prompt_tokens[i] = entry.num_prompt_tokens
     return arrays
 
 
@@ -145,7 +181,17 @@ def _random_sample(logits, sa: SamplingArrays):
                         lambda: jnp.argmax(scaled + noise, axis=-1))
 
 
-def sample(logits: jax.Array, sa: SamplingArrays) -> dict:
+def token_logprobs(logprobs: jax.Array, tokens: jax.Array) -> TokenLogprobs:
+    """logprobs: f32[R, V] (log-softmax); tokens: int[R] -> each row's chosen token's
+    logprob and rank, and the row's NUM_TOP_LOGPROBS most likely tokens."""
+    token_lp = jnp.take_along_axis(logprobs, tokens[:, None], axis=-1)[:, 0]
+    top_logprobs, top_ids = jax.lax.top_k(logprobs, min(NUM_TOP_LOGPROBS, logprobs.shape[-1]))
+    rank = 1 + jnp.sum(logprobs > token_lp[:, None], axis=-1)
+    return TokenLogprobs(logprob=token_lp, rank=rank.astype(jnp.int32),
+                         top_ids=top_ids.astype(jnp.int32), top_logprobs=top_logprobs)
+
+
+def sample(logits: jax.Array, sa: SamplingArrays) -> SamplerOutput:
     """logits: f32[S, V] -> sampled ids and logprobs of the raw distribution."""
     num_seqs, vocab = logits.shape
     logprobs = jax.nn.log_softmax(logits, axis=-1)  # raw, before any processing
@@ -162,8 +208,5 @@ def sample(logits: jax.Array, sa: SamplingArrays) -> dict:
     token = jax.lax.cond(
         all_greedy, lambda: greedy,
         lambda: jnp.where(sa.temperature < SAMPLING_EPS, greedy, _random_sample(logits, sa)))
-    token_logprob = jnp.take_along_axis(logprobs, token[:, None], axis=-1)[:, 0]
-    top_logprobs, top_ids = jax.lax.top_k(logprobs, min(NUM_TOP_LOGPROBS, vocab))
-    rank = 1 + jnp.sum(logprobs > token_logprob[:, None], axis=-1)
-    return dict(token=token.astype(jnp.int32), logprob=token_logprob, rank=rank.astype(jnp.int32),
-                top_ids=top_ids.astype(jnp.int32), top_logprobs=top_logprobs)
+    return SamplerOutput(token_ids=token.astype(jnp.int32),
+                         logprobs=token_logprobs(logprobs, token))

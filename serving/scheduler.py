@@ -68,16 +68,12 @@ class Scheduler:
         return len(self.waiting)
 
     @property
-    def num_unfinished(self) -> int:
-        return len(self.running) + len(self.waiting)
-
-    @property
     def has_unfinished(self) -> bool:
         return bool(self.running or self.waiting)
 
     @property
-    def watermark_blocks(self) -> int:
-        return int(self.config.watermark * self.kv.num_total_blocks)
+    def watermark_pages(self) -> int:
+        return int(self.config.watermark * self.kv.num_total_pages)
 
     def get_request(self, request_id: str) -> Request | None:
         return self.requests.get(request_id)
@@ -86,8 +82,8 @@ class Scheduler:
         """Length at which the request is capped (prompt + max_tokens, at most max_model_len)."""
         max_tokens = request.sampling_params.max_tokens
         if max_tokens is None:
-            return self.config.max_model_len
-        return min(request.num_prompt_tokens + max_tokens, self.config.max_model_len)
+            return self.config.resolved_max_model_len
+        return min(request.num_prompt_tokens + max_tokens, self.config.resolved_max_model_len)
 
     def is_length_capped(self, request: Request) -> bool:
         return request.num_tokens >= self.max_num_tokens(request)
@@ -104,16 +100,16 @@ class Scheduler:
     def _validate(self, request: Request) -> None:
         if request.request_id in self.requests:
             raise ValueError(f"request_id {request.request_id!r} is already in use")
-        if request.num_prompt_tokens > self.config.max_model_len:
+        if request.num_prompt_tokens > self.config.resolved_max_model_len:
             raise ValueError(
                 f"prompt has {request.num_prompt_tokens} tokens, more than "
                 f"max_model_len={self.config.max_model_len}")
         # The last sampled token's KV is never computed, hence the -1.
-        pages = cdiv(self.max_num_tokens(request) - 1, self.kv.block_size)
-        if pages > self.kv.num_total_blocks:
+        pages = cdiv(self.max_num_tokens(request) - 1, self.kv.page_size)
+        if pages > self.kv.num_total_pages:
             raise ValueError(
                 f"request needs up to {pages} KV pages but the cache has "
-                f"num_total_blocks={self.kv.num_total_blocks}")
+                f"num_total_pages={self.kv.num_total_pages}")
 
     def _enqueue(self, request: Request, front: bool = False) -> None:
         if self.config.policy == "priority":
@@ -172,12 +168,12 @@ class Scheduler:
     def _schedule_waiting(self, step: _Step) -> None:
         while self.waiting and step.budget > 0 and len(self.running) < self.config.max_num_seqs:
             request = self.waiting[0]
-            hits, num_cached = self.kv.get_computed_blocks(request)
+            hits, num_cached = self.kv.get_computed_pages(request)
             num_new = min(request.num_tokens - num_cached, step.budget)
             # The watermark protects running requests' growth; with none running
             # it could only keep a large request waiting forever.
-            reserved = self.watermark_blocks if self.running else 0
-            if not self.kv.allocate_slots(request, num_new, hits, num_reserved_blocks=reserved):
+            reserved = self.watermark_pages if self.running else 0
+            if not self.kv.allocate_slots(request, num_new, hits, num_reserved_pages=reserved):
                 break
             self.waiting.popleft()
             self._admit(request, num_cached)
@@ -201,7 +197,7 @@ class Scheduler:
             if request.status != RequestStatus.RUNNING:
                 continue  # aborted or finished while the step ran
             request.num_computed_tokens = seq.start + seq.num_new_tokens
-            self.kv.cache_blocks(request)
+            self.kv.cache_pages(request)
 
     def finish(self, request_id: str, status: RequestStatus) -> Request | None:
         """Retire a request with a finished status and free its pages at once."""

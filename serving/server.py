@@ -1,4 +1,6 @@
-"""OpenAI-compatible HTTP routes (aiohttp) over `AsyncLLM`.
+"""The HTTP server: OpenAI-compatible routes (aiohttp) over `AsyncLLM`, and `qwen-jax serve`
+(start-up report, serve until SIGTERM/SIGINT, then drain: stop accepting, let in-flight
+requests finish within the timeout, abort the rest, exit 0).
 
 Parsing and response shapes live in `openai_protocol`; generation lives in the engine. A
 client that disconnects cancels its handler (`handler_cancellation=True`), which closes
@@ -8,9 +10,10 @@ the request's streams and so aborts it in the engine at once.
 from __future__ import annotations
 
 import asyncio
-import dataclasses
 import hmac
 import logging
+import os
+import signal
 import time
 import uuid
 from pathlib import Path
@@ -18,38 +21,16 @@ from pathlib import Path
 from aiohttp import web
 
 from serving import openai_protocol as proto
+from serving.async_llm import AsyncLLM
+from serving.config import ServerConfig
 from serving.metrics import CONTENT_TYPE, Metrics
-from serving.openai_protocol import APIError
 from serving.openai_outputs import Job, merge, sse
+from serving.openai_protocol import APIError
 from serving.reasoning import reasoning_parser_class
 from serving.scheduler import QueueFullError
 
 logger = logging.getLogger("qwen_jax.server")
-STATE = web.AppKey("state", object)
 LOG = web.RequestKey("log", dict)
-
-
-@dataclasses.dataclass(frozen=True, kw_only=True)
-class ServerConfig:
-    host: str = "127.0.0.1"
-    port: int = 8000
-    api_key: str | None = None
-    served_model_name: str | None = None
-    max_request_body_mb: float = 8.0
-    shutdown_timeout: float = 30.0  # seconds in-flight requests get to finish on SIGTERM
-    log_interval: float = 10.0  # seconds between throughput lines; 0 disables
-    retry_after: int = 1  # seconds, sent with 503 when the waiting queue is full
-    reasoning_parser: str | None = None  # e.g. "qwen3": chat replies split out reasoning_content
-
-    def __post_init__(self) -> None:
-        if not 0 <= self.port <= 65535:
-            raise ValueError(f"port must be in [0, 65535], got {self.port}")
-        if self.max_request_body_mb <= 0:
-            raise ValueError(f"max_request_body_mb must be > 0, got {self.max_request_body_mb}")
-        if self.shutdown_timeout < 0:
-            raise ValueError(f"shutdown_timeout must be >= 0, got {self.shutdown_timeout}")
-        if self.reasoning_parser is not None:
-            reasoning_parser_class(self.reasoning_parser)
 
 
 def json_error(status: int, message: str, param: str | None = None,
@@ -101,8 +82,9 @@ class OpenAIServer:
 
     async def _guarded(self, request: web.Request, handler):
         path = request.path
-        if self.config.api_key and path.startswith(("/v1", "/tokenize", "/detokenize")):
-            self._check_api_key(request)
+        key = self.config.api_key
+        if key and path.startswith(("/v1", "/tokenize", "/detokenize")):
+            self._check_api_key(request, key)
         if self.draining and path not in ("/health", "/metrics"):
             raise APIError(503, "server is shutting down",
                            headers={"Retry-After": str(self.config.retry_after)})
@@ -111,10 +93,11 @@ class OpenAIServer:
                                 f"{self.max_body} (--max-request-body-mb)", param="body")
         return await handler(request)
 
-    def _check_api_key(self, request: web.Request) -> None:
+    @staticmethod
+    def _check_api_key(request: web.Request, key: str) -> None:
         header = request.headers.get("Authorization", "")
         token = header[7:] if header.lower().startswith("bearer ") else ""
-        if not hmac.compare_digest(token.encode(), self.config.api_key.encode()):
+        if not hmac.compare_digest(token.encode(), key.encode()):
             raise APIError(401, "missing or invalid API key (Authorization: Bearer <key>)")
 
     def _log_request(self, request: web.Request, started: float) -> None:
@@ -180,7 +163,7 @@ class OpenAIServer:
 
     async def _generate(self, request, req: proto.ParsedRequest, prompts: list[list[int]],
                         kind: str, prompt_param: str) -> web.StreamResponse:
-        for i, ids in enumerate(prompts):
+        for ids in prompts:
             if not ids:
                 raise APIError(400, f"{prompt_param} is empty: it must contain at least one "
                                     "token", param=prompt_param)
@@ -293,7 +276,8 @@ class OpenAIServer:
             task.cancel()
 
     async def _throughput_loop(self) -> None:
-        last = (time.monotonic(), self.metrics.num_prompt_tokens, self.metrics.num_generation_tokens)
+        last = (time.monotonic(), self.metrics.num_prompt_tokens,
+                self.metrics.num_generation_tokens)
         while True:
             await asyncio.sleep(self.config.log_interval)
             now = (time.monotonic(), self.metrics.num_prompt_tokens,
@@ -308,6 +292,9 @@ class OpenAIServer:
                             s["num_running"], s["num_waiting"], 100 * s["kv_cache_usage"],
                             100 * s["prefix_cache_hit_rate"])
             last = now
+
+
+STATE = web.AppKey("state", OpenAIServer)
 
 
 def build_app(llm, config: ServerConfig | None = None) -> web.Application:
@@ -327,3 +314,66 @@ def build_app(llm, config: ServerConfig | None = None) -> web.Application:
         web.post("/detokenize", server.detokenize),
     ])
     return app
+
+
+# ---- `qwen-jax serve` -------------------------------------------------------------------
+def startup_report(llm, seconds: float) -> str:
+    engine = llm.engine
+    stats = llm.stats()
+    pairs = engine.bucket_pairs
+    compiled = (f"compiled {len(pairs)} (tokens, seqs) buckets in {engine.compile_seconds:.1f} s"
+                if engine.config.precompile else f"{len(pairs)} buckets compile on first use "
+                                                 "(--no-precompile)")
+    return (f"model {engine.model_path} loaded in {engine.load_seconds:.1f} s; {compiled}; "
+            f"KV cache: {stats['kv_capacity_tokens']:,} tokens in {stats['num_total_pages']:,} "
+            f"pages of {engine.page_size}; max_model_len {engine.max_model_len}; "
+            f"ready in {seconds:.1f} s")
+
+
+async def serve(llm, config: ServerConfig) -> int:
+    app = build_app(llm, config)
+    runner = web.AppRunner(app, handler_cancellation=True, access_log=None,
+                           shutdown_timeout=5.0)
+    await runner.setup()
+    site = web.TCPSite(runner, config.host, config.port)
+    await site.start()
+    stop = asyncio.Event()
+    loop = asyncio.get_running_loop()
+    for sig in (signal.SIGTERM, signal.SIGINT):
+        loop.add_signal_handler(sig, stop.set)
+    logger.info("serving %s on http://%s:%d", app[STATE].model_name, config.host, config.port)
+    print(f"serving on http://{config.host}:{config.port}", flush=True)
+    await stop.wait()
+    await drain(app, runner, site, llm, config.shutdown_timeout)
+    return 0
+
+
+async def drain(app, runner, site, llm, timeout: float) -> None:
+    logger.info("shutting down: no new requests; waiting up to %.0f s for in-flight ones", timeout)
+    app[STATE].draining = True
+    await site.stop()
+    if not await llm.wait_until_idle(timeout):
+        logger.warning("shutdown timeout: aborting %d unfinished requests",
+                       len(llm.engine.request_ids()))
+        await llm.abort_all()
+    await runner.cleanup()
+    logger.info("shut down cleanly")
+
+
+def run(args, engine_kwargs: dict) -> int:
+    """`qwen-jax serve`: build the engine, report, serve until a signal, drain."""
+    logging.basicConfig(level=logging.INFO,
+                        format="%(asctime)s %(levelname)s %(name)s: %(message)s")
+    config = ServerConfig(host=args.host, port=args.port,
+                          api_key=args.api_key or os.environ.get("QWEN_JAX_API_KEY") or None,
+                          served_model_name=args.served_model_name,
+                          max_request_body_mb=args.max_request_body_mb,
+                          shutdown_timeout=args.shutdown_timeout, log_interval=args.log_interval,
+                          reasoning_parser=args.reasoning_parser)
+    started = time.perf_counter()
+    llm = AsyncLLM(args.model, **engine_kwargs)
+    print(startup_report(llm, time.perf_counter() - started), flush=True)
+    try:
+        return asyncio.run(serve(llm, config))
+    finally:
+        llm.shutdown()

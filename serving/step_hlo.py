@@ -70,16 +70,16 @@ def abstract_runner(model: str = "qwen3-30b-a3b", *, dtype: str = "bfloat16",
     """A ModelRunner over ShapeDtypeStruct params and caches: no weights allocated.
     quantization: fp8 | int8 | awq weights (as a checkpoint of that format holds them)."""
     from qwen_jax.config import ModelConfig
+    from qwen_jax.model import Qwen3ForCausalLM
+    from qwen_jax.params import abstract_model, resolve_kv_cache_dtype
     from qwen_jax.quantization import resolve
-    from qwen_jax.weights import abstract_model
-    from serving.kv_cache import kv_cache_dtype as resolve_kv_dtype
     from serving.runner import ModelRunner
 
     cfg = ModelConfig.from_hf(model)
     cfg = dataclasses.replace(cfg, quantization=resolve(cfg.quantization, quantization,
                                                         dummy=True))
-    abstract = abstract_model(cfg, dtype, impl=impl)
-    kv_dtype = resolve_kv_dtype(kv_cache_dtype, abstract.dtype)
+    abstract = abstract_model(cfg, dtype, impl=impl, model_cls=Qwen3ForCausalLM)
+    kv_dtype = resolve_kv_cache_dtype(kv_cache_dtype, abstract.dtype)
     caches = jax.eval_shape(lambda: abstract.init_kv_caches(num_pages, page_size, kv_dtype))
     return ModelRunner(abstract, caches, max_model_len=max_model_len,
                        pages_per_seq=-(-max_model_len // page_size))
@@ -201,11 +201,11 @@ class StepModule:
         loops = self.layer_loops()
         per_layer = []
         for loop in loops:
-            counter = collections.Counter()
+            counter: collections.Counter[str] = collections.Counter()
             self.walk(loop.regions[1].blocks[0].operations,
                       lambda op, counter=counter: counter.update([op.operation.name]))
             per_layer.append(counter)
-        outside = collections.Counter()
+        outside: collections.Counter[str] = collections.Counter()
         for op in self._top_level():
             if op in loops:
                 outside.update(["stablehlo.while"])
@@ -252,7 +252,7 @@ def sampler_summary(num_seqs: int, vocab: int, max_model_len: int, *,
     lowered = jax.jit(sample).trace(jax.ShapeDtypeStruct((num_seqs, vocab), jnp.float32),
                                     sampling).lower(lowering_platforms=tuple(platforms))
     module = StepModule(lowered)
-    counter = collections.Counter()
+    counter: collections.Counter[str] = collections.Counter()
     module.walk(module.main.regions[0].blocks[0].operations,
                 lambda op: counter.update([op.operation.name]))
     by_op = heavy(counter)

@@ -14,3 +14,5 @@ os.environ.setdefault("TOKENIZERS_PARALLELISM", "false")
 import jax  # noqa: E402
 
 jax.config.update("jax_default_matmul_precision", "highest")
+
+pytest_plugins = ["tests.helpers.no_skips", "pytester"]

@@ -19,11 +19,20 @@ import jax
 import jax.numpy as jnp
 from jax.experimental import pallas as pl
 from jax.experimental.pallas import triton as pltriton
+from jax.typing import ArrayLike
 
+from pallas_kernels.array_types import Array, Float, Int
 from pallas_kernels.grouped_matmul import tuning
 from pallas_kernels.grouped_matmul.plan import GroupPlan, group_ends_of, plan_groups
-from pallas_kernels.quantized import (at, check_operand, choose_block_k, operands, weight_dot,
-                                     weight_finish)
+from pallas_kernels.quantized import (
+    QuantizedWeight,
+    at,
+    check_operand,
+    choose_block_k,
+    operands,
+    weight_dot,
+    weight_finish,
+)
 
 _NO_ITEM = 2**30  # past any item id: pads the plan's vector load
 
@@ -139,9 +148,12 @@ def _check_blocks(block_m, block_k, block_n, depth, width):
 
 @functools.partial(jax.jit, static_argnames=(
     "interpret", "block_m", "block_k", "block_n", "num_warps", "num_stages"))
-def grouped_matmul(lhs, rhs, group_sizes=None, *, plan: GroupPlan | None = None, layer=None,
-                   lhs_rows=None, out_rows=None, interpret=False, block_m=None,
-                   block_k=None, block_n=None, num_warps=None, num_stages=None):
+def grouped_matmul(lhs: Float[ArrayLike, "Mlhs Din"],
+                   rhs: Float[ArrayLike, "*layers G Din Dout"] | QuantizedWeight,
+                   group_sizes: Int[ArrayLike, " G"] | None = None, *,
+                   plan: GroupPlan | None = None, layer=None, lhs_rows=None, out_rows=None,
+                   interpret=False, block_m=None, block_k=None, block_n=None, num_warps=None,
+                   num_stages=None) -> Float[Array, "M Dout"]:
     """lhs [M, K] (rows sorted by group) times rhs [G, K, N] per group -> [M, N]; rhs may
     be a `QuantizedWeight` (read in place, dequantised in registers).
 

@@ -2,12 +2,17 @@
 
 import jax
 import jax.numpy as jnp
+from jax.typing import ArrayLike
 
+from pallas_kernels.array_types import Array, Float, Int
 from pallas_kernels.quantized import at, dequantize
 
 
-def grouped_matmul_reference(lhs, rhs, group_sizes=None, *, plan=None, layer=None,
-                             lhs_rows=None, out_rows=None, interpret=False, **block_sizes):
+def grouped_matmul_reference(lhs: Float[ArrayLike, "Mlhs Din"],
+                             rhs: Float[ArrayLike, "*layers G Din Dout"],
+                             group_sizes: Int[ArrayLike, " G"] | None = None, *, plan=None,
+                             layer=None, lhs_rows=None, out_rows=None, interpret=False,
+                             **block_sizes) -> Float[Array, "M Dout"]:
     """lhs: [M, K] rows sorted by group; rhs: [G, K, N]; group_sizes: int32[G] -> [M, N].
 
     Rows past sum(group_sizes) are zero. `plan` may replace group_sizes; `layer` picks

@@ -13,13 +13,17 @@ import jax
 import jax.numpy as jnp
 from jax.experimental import pallas as pl
 from jax.experimental.pallas import triton as pltriton
+from jax.typing import ArrayLike
 
+from pallas_kernels.array_types import Array, Float, Int, Shaped
 from pallas_kernels.ragged_paged_attention import split, tuning
 from pallas_kernels.ragged_paged_attention.attend import attend, load_item
-from pallas_kernels.ragged_paged_attention.plan import (AttentionPlan, padded_group,
-                                                        plan_attention)
-from pallas_kernels.ragged_paged_attention.shapes import (check_attention_args,
-                                                          check_attention_blocks)
+from pallas_kernels.ragged_paged_attention.plan import AttentionPlan, padded_group, plan_attention
+from pallas_kernels.ragged_paged_attention.shapes import (
+    check_attention_args,
+    check_attention_blocks,
+)
+
 
 def _attention_kernel(items_ref, page_table_ref, k_scale_ref, v_scale_ref, q_ref,
                       k_pages_ref, v_pages_ref, o_ref, *, sm_scale, block_q, block_k,
@@ -57,10 +61,15 @@ def _plan(args, plan, *, num_q_heads, head_dim, block_q, num_splits):
 
 @functools.partial(jax.jit, static_argnames=(
     "sm_scale", "interpret", "block_q", "block_k", "num_warps", "num_stages", "num_splits"))
-def ragged_paged_attention(q, k_pages, v_pages, kv_lens, page_table, query_start, num_seqs,
-                           *, sm_scale, k_scale=None, v_scale=None,
+def ragged_paged_attention(q: Float[ArrayLike, "T N H"], k_pages: Shaped[ArrayLike, "P L K H"],
+                           v_pages: Shaped[ArrayLike, "P L K H"], kv_lens: Int[ArrayLike, " S"],
+                           page_table: Int[ArrayLike, "S pages_per_seq"],
+                           query_start: Int[ArrayLike, " S+1"], num_seqs: Int[ArrayLike, ""],
+                           *, sm_scale, k_scale: Float[ArrayLike, " K"] | None = None,
+                           v_scale: Float[ArrayLike, " K"] | None = None,
                            plan: AttentionPlan | None = None, interpret=False, block_q=None,
-                           block_k=None, num_warps=None, num_stages=None, num_splits=None):
+                           block_k=None, num_warps=None, num_stages=None, num_splits=None
+                           ) -> Float[Array, "T N H"]:
     """Causal attention of ragged query rows over a paged KV cache (Pallas kernel).
 
     Same contract as `ragged_paged_attention_reference`. `plan` (plan_attention) is

@@ -4,6 +4,9 @@ import dataclasses
 
 import jax
 import jax.numpy as jnp
+from jax.typing import ArrayLike
+
+from pallas_kernels.array_types import Array, Float, Int, Shaped
 
 # Tokens are processed in blocks of this many rows so a long prefill chunk never
 # materialises its whole [T, C, K, H] key gather at once.
@@ -99,10 +102,13 @@ def token_positions(query_start, kv_lens, num_seqs, num_tokens):
     return seq, pos.astype(jnp.int32), valid
 
 
-def ragged_paged_attention_reference(q, k_pages, v_pages, kv_lens, page_table, query_start,
-                                     num_seqs, *, sm_scale, k_scale=None, v_scale=None,
-                                     plan: ReferencePlan | None = None, interpret=False,
-                                     **block_sizes):
+def ragged_paged_attention_reference(
+        q: Float[ArrayLike, "T N H"], k_pages: Shaped[ArrayLike, "P L K H"],
+        v_pages: Shaped[ArrayLike, "P L K H"], kv_lens: Int[ArrayLike, " S"],
+        page_table: Int[ArrayLike, "S pages_per_seq"], query_start: Int[ArrayLike, " S+1"],
+        num_seqs: Int[ArrayLike, ""], *, sm_scale, k_scale: Float[ArrayLike, " K"] | None = None,
+        v_scale: Float[ArrayLike, " K"] | None = None, plan: ReferencePlan | None = None,
+        interpret=False, **block_sizes) -> Float[Array, "T N H"]:
     """Causal attention of ragged query rows over a paged KV cache, in plain jnp.
 
     q: [T, N, H]; k_pages, v_pages: [P, L, K, H]; kv_lens: int32[S];

@@ -15,8 +15,13 @@ import jax.numpy as jnp
 from jax.experimental import pallas as pl
 from jax.experimental.pallas import triton as pltriton
 
-from pallas_kernels.quantized import (check_operand, choose_block_k, operands, weight_dot,
-                                     weight_finish)
+from pallas_kernels.quantized import (
+    check_operand,
+    choose_block_k,
+    operands,
+    weight_dot,
+    weight_finish,
+)
 from pallas_kernels.stacked_matmul import tuning
 
 

@@ -13,7 +13,6 @@ from aiohttp import web
 
 from serving.bench.metrics import RequestResult, compute_metrics, format_table, parse_goodput
 from serving.cli import main
-from tests.engine.conftest import compile_cache, tokenizer_ckpt  # noqa: F401 (fixtures)
 
 OUTPUT_LEN = 5
 METRICS = ("ttft", "tpot", "itl", "e2el")
@@ -162,14 +161,15 @@ def test_bench_serve_unreachable_server_fails_fast(tmp_path):
 
 
 def test_bench_serve_against_the_real_server(tmp_path, tokenizer_ckpt, compile_cache):
-    server = pytest.importorskip("serving.server")
     from serving.async_llm import AsyncLLM
+    from serving.config import ServerConfig
+    from serving.server import build_app
     ckpt, _ = tokenizer_ckpt
     llm = AsyncLLM(str(ckpt), max_num_seqs=8, max_num_batched_tokens=64, max_model_len=96,
                    token_buckets=[64], seq_buckets=[8], show_progress=False,
                    compilation_cache_dir=compile_cache)
     try:
-        app = server.build_app(llm, server.ServerConfig(served_model_name="tiny"))
+        app = build_app(llm, ServerConfig(served_model_name="tiny"))
         with serve_in_thread(app) as url:
             report = _bench(tmp_path, url, "--model", "tiny", "--tokenizer", str(ckpt),
                             "--max-concurrency", "4", "--ignore-eos", "--goodput", "e2el:60000")

@@ -5,8 +5,9 @@ import numpy as np
 import pytest
 
 from qwen_jax import LLM, SamplingParams
-from serving import kv_cache
-from serving.config import KV_CACHE_DTYPES, CacheConfig
+from qwen_jax.options import KV_CACHE_DTYPES
+from qwen_jax.params import resolve_kv_cache_dtype
+from serving.config import CacheConfig
 from serving.engine import LLMEngine
 from serving.llm import engine_config_from_kwargs
 from tests.engine.conftest import make_prompts
@@ -202,7 +203,7 @@ def test_config_and_cache_accept_the_same_kv_cache_dtypes():
     # need calibrated scales) is refused when the config is built, naming the choices.
     for name, stored in KV_CACHE_DTYPES.items():
         assert CacheConfig(kv_cache_dtype=name).kv_cache_dtype == name
-        dtype = kv_cache.kv_cache_dtype(name, jnp.bfloat16)
+        dtype = resolve_kv_cache_dtype(name, jnp.bfloat16)
         assert dtype == (jnp.bfloat16 if stored is None else jnp.dtype(stored))
     with pytest.raises(ValueError, match="kv_cache_dtype must be one of auto, .*fp8_e5m2, "
                                          "got 'int8'"):

@@ -14,11 +14,22 @@ import numpy as np
 import pytest
 
 from kernel_cases import BF16, INTERPRET, as_float
-from pallas_kernels import (grouped_matmul, grouped_matmul_reference, plan_groups,
-                            stacked_matmul, stacked_matmul_reference)
+from pallas_kernels import (
+    grouped_matmul,
+    grouped_matmul_reference,
+    plan_groups,
+    stacked_matmul,
+    stacked_matmul_reference,
+)
 from pallas_kernels.grouped_matmul import group_ends_of
-from pallas_kernels.quantized import (QuantizedWeight, dequantize, merge_pair, pack_int4,
-                                      quantize, unpack_int4)
+from pallas_kernels.quantized import (
+    QuantizedWeight,
+    dequantize,
+    merge_pair,
+    pack_int4,
+    quantize,
+    unpack_int4,
+)
 from tests.helpers.lowering import requires_cuda_lowering
 
 FORMATS = {  # kind -> quantize() options at test shapes (several blocks per matrix)

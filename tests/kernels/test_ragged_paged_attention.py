@@ -11,8 +11,12 @@ import numpy as np
 import pytest
 
 from kernel_cases import BF16, FP8, INTERPRET, as_float, make_case
-from pallas_kernels import (plan_attention, plan_attention_reference, ragged_paged_attention,
-                            ragged_paged_attention_reference)
+from pallas_kernels import (
+    plan_attention,
+    plan_attention_reference,
+    ragged_paged_attention,
+    ragged_paged_attention_reference,
+)
 from pallas_kernels.ragged_paged_attention import tuning
 from tests.helpers.lowering import requires_cuda_lowering
 

@@ -26,8 +26,8 @@ from flax import nnx
 
 from qwen_jax import Qwen3ForCausalLM, tasks
 from qwen_jax.config import ModelConfig
-from qwen_jax.eval_tasks import TINY_MODEL, chat_template, render_prompts
 from scripts.quantize_checkpoint import quantise
+from serving.eval_tasks import TINY_MODEL, chat_template, render_prompts
 
 KL_BOUND = {"int8": 0.002, "fp8": 0.003, "awq": 0.05}
 TOP1_BOUND = {"int8": 0.99, "fp8": 0.99, "awq": 0.97}

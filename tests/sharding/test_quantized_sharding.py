@@ -2,7 +2,6 @@
 stored values, scales and zero points equal the single-device load bit for bit, the scales
 follow their weight's split, and the sharded forward gives the single-device logits."""
 
-import jax
 import jax.numpy as jnp
 import numpy as np
 import pytest

@@ -2,8 +2,13 @@
 
 import pytest
 
-from serving.buckets import (bucket_pairs, make_buckets, make_token_buckets, pick_bucket,
-                             pick_seq_bucket)
+from serving.buckets import (
+    bucket_pairs,
+    make_buckets,
+    make_token_buckets,
+    pick_bucket,
+    pick_seq_bucket,
+)
 from serving.config import CacheConfig, SchedulerConfig
 
 

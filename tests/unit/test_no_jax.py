@@ -3,9 +3,10 @@
 import subprocess
 import sys
 
-MODULES = ["serving.request", "serving.block_pool", "serving.kv_cache_manager",
+MODULES = ["serving.request", "serving.page_pool", "serving.kv_cache_manager",
            "serving.scheduler", "serving.buckets", "serving.batch", "serving.config",
-           "serving.reasoning"]
+           "serving.reasoning", "serving.detokenizer", "serving.output_processor",
+           "qwen_jax.options", "qwen_jax.validation", "qwen_jax.quantization"]
 
 
 def test_core_modules_do_not_import_jax():
@@ -17,7 +18,7 @@ def test_core_modules_do_not_import_jax():
 
 
 def test_pure_python_modules_do_not_import_numpy():
-    pure = ["serving.request", "serving.block_pool", "serving.kv_cache_manager",
+    pure = ["serving.request", "serving.page_pool", "serving.kv_cache_manager",
             "serving.scheduler", "serving.buckets", "serving.config"]
     code = ("import sys\n" + "".join(f"import {m}\n" for m in pure)
             + "print('numpy' in sys.modules)")

@@ -47,12 +47,6 @@ def test_copy_curriculum_lengths_are_respected():
         assert 8 <= len(filler.replace("What was the code?", "").split()) <= 16
 
 
-def test_final_answer_is_the_text_after_the_think_block():
-    assert tasks.final_answer("<think>\n2 3 4\n</think>\n\n432") == "432"
-    assert tasks.final_answer("<think>\n\n</think>\n\n1 2 3") == "1 2 3"
-    assert tasks.final_answer(" 432\n") == "432"  # no think block: the whole reply
-
-
 def test_eval_problems_are_seeded_apart_from_training():
     for task in tasks.TASKS:
         train = {p.prompt for p in tasks.problems(task, 200, split="train")}

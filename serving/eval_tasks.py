@@ -1,6 +1,6 @@
 """Exact-match accuracy of a model on the held-out generated tasks, through `qwen_jax.LLM`.
 
-    python -m qwen_jax.eval_tasks [--n 500] [--model PATH] [--seed 0] [--quantization Q]
+    python -m serving.eval_tasks [--n 500] [--model PATH] [--seed 0] [--quantization Q]
         [engine options]
 
 Prompts use the chat template in thinking mode (its default): the model writes a think
@@ -20,8 +20,11 @@ import sys
 from pathlib import Path
 
 from qwen_jax import tasks
-from qwen_jax.quantization import QUANTIZATION_METHODS
+from qwen_jax.options import QUANTIZATION_METHODS
 from qwen_jax.weights import DEFAULT_MODEL_DIR
+from serving.llm import LLM
+from serving.reasoning import Qwen3ReasoningParser
+from serving.request import SamplingParams
 
 TINY_MODEL = DEFAULT_MODEL_DIR
 MAX_ANSWER_TOKENS = 32  # the think block and the answer
@@ -40,16 +43,14 @@ def render_prompts(problems: list[tasks.Problem], template: str) -> list[str]:
     return [compiled.render(messages=p.messages, add_generation_prompt=True) for p in problems]
 
 
-def _sampling_params():
-    try:
-        from qwen_jax import SamplingParams
-    except ImportError:  # a test stand-in for LLM ignores the parameters
-        return None
-    return SamplingParams(temperature=0.0, max_tokens=MAX_ANSWER_TOKENS)
+def final_answer(text: str) -> str:
+    """The reply after the think block, split as the server's `--reasoning-parser qwen3`
+    splits it ("" when the reply was cut off inside the think block)."""
+    return (Qwen3ReasoningParser.extract(text)[1] or "").strip()
 
 
 def generate_texts(llm, prompts: list[str], *, one_at_a_time: bool = False) -> list[str]:
-    params = _sampling_params()
+    params = SamplingParams(temperature=0.0, max_tokens=MAX_ANSWER_TOKENS)
     if one_at_a_time:
         outputs = [llm.generate([p], params)[0] for p in prompts]
     else:
@@ -67,7 +68,7 @@ def evaluate(llm, n: int, seed: int = 0, *, model_path: str | Path = TINY_MODEL,
         problems = tasks.problems(task, n, seed=seed, split="eval")
         texts = generate_texts(llm, render_prompts(problems, template),
                                one_at_a_time=one_at_a_time)
-        correct = [tasks.final_answer(text) == p.answer for text, p in zip(texts, problems)]
+        correct = [final_answer(text) == p.answer for text, p in zip(texts, problems)]
         results[task] = (sum(correct) / max(1, n), correct)
     return results
 
@@ -106,7 +107,6 @@ def main(argv=None) -> None:
                     help="fp8 | int8: quantise the model at load (fp8 / AWQ checkpoints load "
                          "quantised without it)")
     args = ap.parse_args(argv)
-    from qwen_jax import LLM
     llm = LLM(model=args.model, **_engine_kwargs(args))
     if args.passes < 1:
         ap.error(f"--passes must be at least 1, got {args.passes}")

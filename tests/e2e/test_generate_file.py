@@ -11,8 +11,6 @@ from pathlib import Path
 
 import pytest
 
-from tests.engine.conftest import compile_cache, tokenizer_ckpt  # noqa: F401 (fixtures)
-
 REPO = Path(__file__).resolve().parents[2]
 ENGINE = ["--max-num-seqs", "8", "--max-num-batched-tokens", "64", "--max-model-len", "96",
           "--token-buckets", "64", "--seq-buckets", "8"]
@@ -116,7 +114,7 @@ def test_bad_lines_are_reported_and_good_ones_complete(tmp_path, tokenizer_ckpt,
 
 
 def test_torn_tail_is_truncated_and_ids_collected(tmp_path):
-    from qwen_jax.batch import JsonlAppender
+    from serving.generate_file import JsonlAppender
     path = tmp_path / "out.jsonl"
     path.write_bytes(b'{"id": "a"}\n{"id": "b"}\n{"id": "c", "te')
     appender = JsonlAppender(path)
@@ -127,7 +125,7 @@ def test_torn_tail_is_truncated_and_ids_collected(tmp_path):
 
 
 def test_generate_file_rejects_unknown_default_sampling(tmp_path):
-    from qwen_jax.batch import generate_file
+    from serving.generate_file import generate_file
     (tmp_path / "in.jsonl").write_text("")
     with pytest.raises(ValueError, match="max_token"):
         generate_file(tmp_path / "in.jsonl", tmp_path / "out.jsonl", llm=object(),

@@ -6,6 +6,7 @@ import asyncio
 import json
 import time
 from datetime import datetime
+from typing import Any
 
 import aiohttp
 import numpy as np
@@ -30,8 +31,9 @@ def build_payload(request: BenchRequest, *, model: str | None, chat: bool,
             + [{"role": "user", "content": request.prompt}])
         payload.update(messages=messages, max_completion_tokens=request.output_len)
     else:
-        prompt = request.prompt if request.prompt is not None else " ".join(
-            str(m.get("content", "")) for m in request.messages)
+        # Text, or token ids (then the system prefix is ids too).
+        prompt: Any = request.prompt if request.prompt is not None else " ".join(
+            str(m.get("content", "")) for m in request.messages or ())
         if request.system:
             prompt = request.system + prompt
         payload.update(prompt=prompt, max_tokens=request.output_len)
