@@ -1,30 +1,32 @@
 """Quantised weights as the matmul kernels read them, and the dequantisation they share.
 
 A `QuantizedWeight` is the stored values, their scales (and, for int4, zero points) with
-the layout as static fields. The kernels read the values tile by tile in place and
-dequantise in registers (`weight_dot`): fp8 / int8 values are converted to the
-activation's dtype (exact: 8-bit values fit bf16's mantissa), int4 nibbles are unpacked
-and their zero point subtracted before the dot, and block scales multiply the dot's fp32
-result for each K step (a scale is constant over a step: a step never straddles a scale
-block). Per-channel scales multiply the accumulator once at the end. `dequantize` is the
-plain-jnp twin the references use.
+the layout as static fields. A scale group is the group_k x group_n weights sharing one
+scale (fp8's `weight_block_size`, AWQ's `group_size`; "block" is kept for kernel tiles).
+The kernels read the values tile by tile in place and dequantise in registers
+(`weight_dot`): fp8 / int8 values are converted to the activation's dtype (exact: 8-bit
+values fit bf16's mantissa), int4 nibbles are unpacked and their zero point subtracted
+before the dot, and group scales multiply the dot's fp32 result for each K step (a scale
+is constant over a step: a step never straddles two groups along K). Per-channel scales
+multiply the accumulator once at the end. `dequantize` is the plain-jnp twin the
+references use.
 
 Kinds and layouts (our weights are [in, out] = [K, N], with any leading dims):
 
 - fp8  (Qwen's FP8 checkpoints, `--quantization fp8`): float8_e4m3fn values [K, N];
-  float32 scales [ceil(K / block_k), ceil(N / block_n)] (HF's `weight_scale_inv`,
-  transposed): w[k, n] = values[k, n] * scales[k // block_k, n // block_n].
+  float32 scales [ceil(K / group_k), ceil(N / group_n)] (HF's `weight_scale_inv`,
+  transposed): w[k, n] = values[k, n] * scales[k // group_k, n // group_n].
 - int8 (`--quantization int8`): int8 values [K, N]; float32 scales [1, N], one per output
-  channel (block_k None: the whole of K).
+  channel (group_k None: the whole of K).
 - int4 (AWQ checkpoints): uint8 values [K / 2, N], two rows per byte; float16 scales and
-  uint8 zero points [K / block_k, N]: w[k, n] = (q[k, n] - zeros[g, n]) * scales[g, n] with
-  g = k // block_k. Within each block of `block_k` rows, row r < block_k / 2 sits in the low
-  nibble and row r + block_k / 2 in the high nibble of byte row g * block_k / 2 + r, so a K
-  step of one block reads its two halves as two plain tiles and needs no interleave.
+  uint8 zero points [K / group_k, N]: w[k, n] = (q[k, n] - zeros[g, n]) * scales[g, n] with
+  g = k // group_k. Within each group of `group_k` rows, row r < group_k / 2 sits in the low
+  nibble and row r + group_k / 2 in the high nibble of byte row g * group_k / 2 + r, so a K
+  step of one group reads its two halves as two plain tiles and needs no interleave.
 
 `segment`: several matrices merged along N (gate and up, [K, 2, F] seen as [K, 2F]) keep
-their own scale blocks: column n of sub-matrix n // segment uses scale column
-(n // segment) * ceil(segment / block_n) + (n % segment) // block_n.
+their own scale groups: column n of sub-matrix n // segment uses scale column
+(n // segment) * ceil(segment / group_n) + (n % segment) // group_n.
 """
 
 from __future__ import annotations
@@ -46,17 +48,17 @@ class Layout:
     """Static description of one weight operand of a kernel (kind None: a float array)."""
 
     kind: str | None = None
-    block_k: int | None = None   # K rows per scale row; None: one row for all of K
-    block_n: int = 1             # columns per scale column
+    group_k: int | None = None   # K rows per scale row; None: one row for all of K
+    group_n: int = 1             # columns per scale column
     segment: int | None = None   # width of each matrix merged along N; None: one matrix
     has_zeros: bool = False
 
     def scale_columns(self, cols):
         """Scale column of each output column (int32 vector in, int32 vector out)."""
         if self.segment is not None:
-            per_segment = -(-self.segment // self.block_n)
-            return (cols // self.segment) * per_segment + (cols % self.segment) // self.block_n
-        return cols if self.block_n == 1 else cols // self.block_n
+            per_segment = -(-self.segment // self.group_n)
+            return (cols // self.segment) * per_segment + (cols % self.segment) // self.group_n
+        return cols if self.group_n == 1 else cols // self.group_n
 
 
 @jax.tree_util.register_dataclass
@@ -69,8 +71,8 @@ class QuantizedWeight:
     scales: Any
     zeros: Any = None
     kind: str = dataclasses.field(metadata=dict(static=True))
-    block_k: int | None = dataclasses.field(default=None, metadata=dict(static=True))
-    block_n: int = dataclasses.field(default=1, metadata=dict(static=True))
+    group_k: int | None = dataclasses.field(default=None, metadata=dict(static=True))
+    group_n: int = dataclasses.field(default=1, metadata=dict(static=True))
     segment: int | None = dataclasses.field(default=None, metadata=dict(static=True))
     # pair: two matrices stored [..., K, 2, F] (scales [..., Kb, 2, Fb]), as the experts'
     # gate and up are; `merge_pair` gives the [..., K, 2F] view the kernels read.
@@ -80,9 +82,9 @@ class QuantizedWeight:
         # Static fields only: pytree operations rebuild this class around any leaves.
         if self.kind not in KINDS:
             raise ValueError(f"kind is {self.kind!r}, expected one of {KINDS}")
-        if self.kind == "int4" and (self.block_k is None or self.block_k % 32):
-            raise ValueError(f"int4 weights need block_k a multiple of 32, got "
-                             f"{self.block_k}")
+        if self.kind == "int4" and (self.group_k is None or self.group_k % 32):
+            raise ValueError(f"int4 weights need group_k a multiple of 32, got "
+                             f"{self.group_k}")
 
     @property
     def shape(self) -> tuple[int, ...]:
@@ -97,7 +99,7 @@ class QuantizedWeight:
 
     @property
     def layout(self) -> Layout:
-        return Layout(kind=self.kind, block_k=self.block_k, block_n=self.block_n,
+        return Layout(kind=self.kind, group_k=self.group_k, group_n=self.group_n,
                       segment=self.segment, has_zeros=self.zeros is not None)
 
     def arrays(self) -> tuple[jax.Array, ...]:
@@ -109,16 +111,16 @@ class QuantizedWeight:
         return sum(a.size * a.dtype.itemsize for a in self.arrays())
 
 
-def stored_shapes(shape, kind: str, *, block_k: int | None = None, block_n: int = 1,
+def stored_shapes(shape, kind: str, *, group_k: int | None = None, group_n: int = 1,
                   pair: bool = False) -> dict[str, tuple[tuple[int, ...], jnp.dtype]]:
     """{"values" | "scales" | "zeros": (shape, dtype)} of a weight of float `shape`
     [..., K, N] (pair: [..., K, 2, F]) stored as `kind`."""
     *lead, depth, two, width = shape if pair else (*shape[:-1], None, shape[-1])
     mid = (two,) if pair else ()
-    rows = 1 if block_k is None else -(-depth // block_k)
+    rows = 1 if group_k is None else -(-depth // group_k)
     out = {"values": ((*lead, depth // 2 if kind == "int4" else depth, *mid, width),
                       jnp.dtype(VALUE_DTYPES[kind])),
-           "scales": ((*lead, rows, *mid, -(-width // block_n)),
+           "scales": ((*lead, rows, *mid, -(-width // group_n)),
                       jnp.dtype(jnp.float16 if kind == "int4" else jnp.float32))}
     if kind == "int4":
         out["zeros"] = ((*lead, rows, *mid, width), jnp.dtype(jnp.uint8))
@@ -127,7 +129,7 @@ def stored_shapes(shape, kind: str, *, block_k: int | None = None, block_n: int 
 
 def merge_pair(weight):
     """[..., K, 2, F] -> [..., K, 2F] for float arrays and pair QuantizedWeights, whose
-    scales keep their own blocks per matrix (`segment`)."""
+    scales keep their own groups per matrix (`segment`)."""
     merge = lambda a: a.reshape(*a.shape[:-2], a.shape[-2] * a.shape[-1])
     if not isinstance(weight, QuantizedWeight):
         return merge(weight)
@@ -156,27 +158,28 @@ def operands(weight) -> tuple[tuple, Layout]:
 
 def required_block_k(weights) -> int | None:
     """The K step every weight of one launch can take: int4 steps are exactly one scale
-    block (their two halves); block-scaled weights need steps inside one block."""
-    groups = {w.block_k for w in weights if isinstance(w, QuantizedWeight) and w.kind == "int4"}
+    group (its two halves); other quantised weights need steps inside one group."""
+    groups = {w.group_k for w in weights if isinstance(w, QuantizedWeight) and w.kind == "int4"}
     if len(groups) > 1:
-        raise ValueError(f"int4 weights of one launch have block_k {sorted(groups)}, "
+        raise ValueError(f"int4 weights of one launch have group_k {sorted(groups)}, "
                          "expected one")
     return groups.pop() if groups else None
 
 
 def choose_block_k(requested: int | None, tuned: int, weights) -> int:
-    """The K step of a launch: the requested or tuned one, halved until it fits inside the
-    weights' scale blocks; int4 weights step exactly one block (`required_block_k`)."""
+    """The K step (the kernel's block_k) of a launch: the requested or tuned one, halved
+    until it fits inside the weights' scale groups; int4 weights step exactly one group
+    (`required_block_k`)."""
     required = required_block_k(weights)
     if required is not None:
         if requested not in (None, required):
             raise ValueError(f"block_k is {requested}, expected {required} (the int4 "
-                             "weights' scale block)")
+                             "weights' scale group)")
         return required
     block_k = requested or tuned
     for w in weights:
-        if isinstance(w, QuantizedWeight) and w.block_k is not None:
-            while w.block_k % block_k:
+        if isinstance(w, QuantizedWeight) and w.group_k is not None:
+            while w.group_k % block_k:
                 block_k //= 2
     return block_k
 
@@ -212,8 +215,8 @@ def weight_dot(load_x, refs, layout: Layout, index, step, *, block_k, col_slice,
         w = _load(values_ref.at[(*index, pl.ds(step * block_k, block_k), col_slice)],
                   mask)                                                    # [bk, bn]
         part = dot(load_x(step * block_k, block_k), w)
-    if layout.kind is not None and layout.block_k is not None:
-        row = (step * block_k) // layout.block_k
+    if layout.kind is not None and layout.group_k is not None:
+        row = (step * block_k) // layout.group_k
         part = part * _load_row(refs[1], index, row, cols, col_mask, layout=layout)[None, :]
     return part
 
@@ -235,8 +238,8 @@ def _both(a, b):
 
 
 def weight_finish(acc, refs, layout: Layout, index, *, cols, col_mask):
-    """Applies per-channel scales (block_k None) to the fp32 accumulator [bm, bn]."""
-    if layout.kind is None or layout.block_k is not None:
+    """Applies per-channel scales (group_k None) to the fp32 accumulator [bm, bn]."""
+    if layout.kind is None or layout.group_k is not None:
         return acc
     return acc * _load_row(refs[1], index, 0, cols, col_mask, layout=layout)[None, :]
 
@@ -262,39 +265,39 @@ def dequantize(weight, dtype=jnp.float32) -> jax.Array:
         return dequantize(merge_pair(weight), dtype).reshape(weight.shape)
     *lead, depth, width = weight.shape
     if weight.kind == "int4":
-        values = unpack_int4(weight.values, weight.block_k).astype(jnp.float32)
-        values = values - _expand_rows(weight.zeros, weight.block_k, depth).astype(jnp.float32)
+        values = unpack_int4(weight.values, weight.group_k).astype(jnp.float32)
+        values = values - _expand_rows(weight.zeros, weight.group_k, depth).astype(jnp.float32)
     else:
         values = weight.values.astype(jnp.float32)
     cols = weight.layout.scale_columns(jnp.arange(width, dtype=jnp.int32))
-    scales = jnp.take(weight.scales.astype(jnp.float32), cols, axis=-1)    # [..., Kb, N]
-    scales = _expand_rows(scales, weight.block_k, depth)                  # [..., K | 1, N]
+    scales = jnp.take(weight.scales.astype(jnp.float32), cols, axis=-1)    # [..., Kg, N]
+    scales = _expand_rows(scales, weight.group_k, depth)                  # [..., K | 1, N]
     return (values * scales).astype(dtype)
 
 
-def _expand_rows(array, block, depth):
-    """[..., Kb, N] -> [..., K, N] repeating each row `block` times (block None: one row,
+def _expand_rows(array, group, depth):
+    """[..., Kg, N] -> [..., K, N] repeating each row `group` times (None: one row,
     broadcast)."""
-    if block is None:
+    if group is None:
         return array
-    return jnp.repeat(array, block, axis=-2, total_repeat_length=-(-depth // block) * block
+    return jnp.repeat(array, group, axis=-2, total_repeat_length=-(-depth // group) * group
                       )[..., :depth, :]
 
 
-def pack_int4(q, block_k: int):
+def pack_int4(q, group_k: int):
     """uint8 nibbles q [..., K, N] (values 0..15) -> [..., K/2, N] in the layout above.
     Works on numpy and jax arrays alike."""
     *lead, depth, width = q.shape
-    halves = q.reshape(*lead, depth // block_k, 2, block_k // 2, width)
+    halves = q.reshape(*lead, depth // group_k, 2, group_k // 2, width)
     packed = halves[..., 0, :, :] | (halves[..., 1, :, :] << 4)
     return packed.reshape(*lead, depth // 2, width).astype("uint8")
 
 
-def unpack_int4(packed, block_k: int):
+def unpack_int4(packed, group_k: int):
     """The inverse of `pack_int4`: [..., K/2, N] -> uint8 [..., K, N]."""
     *lead, rows, width = packed.shape
-    blocks = packed.reshape(*lead, rows // (block_k // 2), 1, block_k // 2, width)
-    both = jnp.concatenate([blocks & 15, blocks >> 4], axis=-3)
+    groups = packed.reshape(*lead, rows // (group_k // 2), 1, group_k // 2, width)
+    both = jnp.concatenate([groups & 15, groups >> 4], axis=-3)
     return both.reshape(*lead, 2 * rows, width)
 
 
@@ -304,35 +307,35 @@ INT8_MAX = 127.0
 INT4_MAX = 15
 
 
-def quantize(w, kind: str, *, block_k: int | None = None, block_n: int = 1,
+def quantize(w, kind: str, *, group_k: int | None = None, group_n: int = 1,
              pair: bool = False) -> QuantizedWeight:
-    """Float w [..., K, N] -> QuantizedWeight, scales from each block's max (fp8: blocks of
-    block_k x block_n; int8: per output column; int4: AWQ's asymmetric round-to-nearest in
-    groups of block_k rows, zero point per group and column). pair: w is [..., K, 2, F],
+    """Float w [..., K, N] -> QuantizedWeight, scales from each group's max (fp8: groups of
+    group_k x group_n; int8: per output column; int4: AWQ's asymmetric round-to-nearest in
+    groups of group_k rows, zero point per group and column). pair: w is [..., K, 2, F],
     two matrices quantised apart."""
     if pair:
-        q = quantize(jnp.moveaxis(jnp.asarray(w), -2, -3), kind, block_k=block_k,
-                     block_n=block_n)                                      # [..., 2, K, F]
+        q = quantize(jnp.moveaxis(jnp.asarray(w), -2, -3), kind, group_k=group_k,
+                     group_n=group_n)                                      # [..., 2, K, F]
         return jax.tree.map(lambda a: jnp.moveaxis(a, -3, -2),
                             dataclasses.replace(q, pair=True))
     w = jnp.asarray(w, jnp.float32)
     if kind == "fp8":
         # Scales multiply by a reciprocal constant: XLA may turn a division by a constant into
         # that anyway, in some fusions and not others; this way every path rounds alike.
-        scales = _block_absmax(w, block_k, block_n) * (1 / FP8_MAX)
-        expanded = _expand_rows(jnp.repeat(scales, block_n, axis=-1)[..., :w.shape[-1]],
-                                block_k, w.shape[-2])
+        scales = _group_absmax(w, group_k, group_n) * (1 / FP8_MAX)
+        expanded = _expand_rows(jnp.repeat(scales, group_n, axis=-1)[..., :w.shape[-1]],
+                                group_k, w.shape[-2])
         values = jnp.clip(w / expanded, -FP8_MAX, FP8_MAX).astype(jnp.float8_e4m3fn)
-        return QuantizedWeight(values=values, scales=scales, kind=kind, block_k=block_k,
-                               block_n=block_n)
+        return QuantizedWeight(values=values, scales=scales, kind=kind, group_k=group_k,
+                               group_n=group_n)
     if kind == "int8":
         scales = jnp.maximum(jnp.max(jnp.abs(w), axis=-2, keepdims=True), 1e-12) * (1 / INT8_MAX)
         values = jnp.clip(jnp.round(w / scales), -INT8_MAX, INT8_MAX).astype(jnp.int8)
         return QuantizedWeight(values=values, scales=scales, kind=kind)
     if kind == "int4":
-        q, scales, zeros = quantize_int4_groups(w, block_k)
-        return QuantizedWeight(values=pack_int4(q, block_k), scales=scales, zeros=zeros,
-                               kind=kind, block_k=block_k)
+        q, scales, zeros = quantize_int4_groups(w, group_k)
+        return QuantizedWeight(values=pack_int4(q, group_k), scales=scales, zeros=zeros,
+                               kind=kind, group_k=group_k)
     raise ValueError(f"kind is {kind!r}, expected one of {KINDS}")
 
 
@@ -351,10 +354,10 @@ def quantize_int4_groups(w, group: int):
             zeros.astype(jnp.uint8))
 
 
-def _block_absmax(w, block_k, block_n):
-    """max |w| over each block_k x block_n block (edges padded) -> [..., Kb, Nb], > 0."""
+def _group_absmax(w, group_k, group_n):
+    """max |w| over each group_k x group_n group (edges padded) -> [..., Kg, Ng], > 0."""
     *lead, depth, width = w.shape
-    kb, nb = -(-depth // block_k), -(-width // block_n)
-    pad = [(0, 0)] * len(lead) + [(0, kb * block_k - depth), (0, nb * block_n - width)]
-    blocks = jnp.pad(jnp.abs(w), pad).reshape(*lead, kb, block_k, nb, block_n)
-    return jnp.maximum(blocks.max(axis=(-3, -1)), 1e-12)
+    kb, nb = -(-depth // group_k), -(-width // group_n)
+    pad = [(0, 0)] * len(lead) + [(0, kb * group_k - depth), (0, nb * group_n - width)]
+    groups = jnp.pad(jnp.abs(w), pad).reshape(*lead, kb, group_k, nb, group_n)
+    return jnp.maximum(groups.max(axis=(-3, -1)), 1e-12)

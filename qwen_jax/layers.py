@@ -82,7 +82,7 @@ def init_weight(module: nnx.Module, name: str, rngs, shape: tuple[int, ...], dty
     if quant is None:
         setattr(module, name, init_param(rngs, shape, dtype))
         return
-    stored = stored_shapes(shape, quant.kind, block_k=quant.block_k, block_n=quant.block_n,
+    stored = stored_shapes(shape, quant.kind, group_k=quant.group_k, group_n=quant.group_n,
                            pair=pair)
     for role in STORED_SUFFIXES:
         value = None if role not in stored else nnx.Param(random_stored(
@@ -100,7 +100,7 @@ def stored_weight(module: nnx.Module, name: str, quant: WeightFormat | None, *,
     zeros = getattr(module, f"{name}_zero")
     return QuantizedWeight(values=values, scales=getattr(module, f"{name}_scale")[...],
                            zeros=None if zeros is None else zeros[...], kind=quant.kind,
-                           block_k=quant.block_k, block_n=quant.block_n, pair=pair)
+                           group_k=quant.group_k, group_n=quant.group_n, pair=pair)
 
 
 class Linear(nnx.Module):

@@ -46,8 +46,8 @@ class WeightFormat:
     """How one stored weight is quantised (pallas_kernels/quantized.py has the layouts)."""
 
     kind: str                    # "fp8" | "int8" | "int4"
-    block_k: int | None = None   # input rows per scale; None: all of them (per channel)
-    block_n: int = 1             # output columns per scale
+    group_k: int | None = None   # input rows per scale; None: all of them (per channel)
+    group_n: int = 1             # output columns per scale
 
 
 @dataclasses.dataclass(frozen=True, kw_only=True)
@@ -77,10 +77,10 @@ class Quantization:
     def weight_format(self) -> WeightFormat:
         if self.method == "fp8":
             block_n, block_k = self.weight_block_size
-            return WeightFormat(kind="fp8", block_k=block_k, block_n=block_n)
+            return WeightFormat(kind="fp8", group_k=block_k, group_n=block_n)
         if self.method == "int8":
             return WeightFormat(kind="int8")
-        return WeightFormat(kind="int4", block_k=self.group_size)
+        return WeightFormat(kind="int4", group_k=self.group_size)
 
     def converts(self, module: str) -> bool:
         """Whether `module` (an HF module name) is quantised: not listed, as a run of its

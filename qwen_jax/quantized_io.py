@@ -44,23 +44,23 @@ STORED_KEYS = {"fp8": ("values", "scales"), "int4": ("values", "scales", "zeros"
 
 
 def stored_array(reader, module: str, kind: str, key: str, shape: tuple[int, int],
-                 block: tuple[int | None, int]) -> np.ndarray:
+                 group: tuple[int | None, int]) -> np.ndarray:
     """One of our stored arrays ("values", "scales", "zeros") of an HF linear; `shape` its
-    [in, out]; block: (block_k, block_n) of the format."""
+    [in, out]; group: (group_k, group_n), the format's scale group."""
     k, n = shape
-    block_k, block_n = block
+    group_k, group_n = group
     if kind == "fp8":
         if key == "values":
             return reader.get(f"{module}.weight", (n, k)).T
-        scale_shape = (-(-n // block_n), -(-k // (block_k or k)))
+        scale_shape = (-(-n // group_n), -(-k // (group_k or k)))
         return reader.get(f"{module}.{FP8_SCALE}", scale_shape).T.astype(np.float32)
     if kind == "int4":
-        if block_k is None:
-            raise ValueError(f"{module}: int4 weights need a group size (block_k)")
-        groups = k // block_k
+        if group_k is None:
+            raise ValueError(f"{module}: int4 weights need a group size (group_k)")
+        groups = k // group_k
         if key == "values":
             return pack_int4(unpack_awq(reader.get(f"{module}.qweight", (k, n // 8))),
-                             block_k)
+                             group_k)
         if key == "zeros":
             return unpack_awq(reader.get(f"{module}.qzeros", (groups, n // 8)))
         return reader.get(f"{module}.scales", (groups, n))
@@ -69,9 +69,9 @@ def stored_array(reader, module: str, kind: str, key: str, shape: tuple[int, int
 
 
 def stored_quantized(reader, module: str, kind: str, shape: tuple[int, int], *,
-                     block: tuple[int | None, int]) -> dict[str, np.ndarray]:
+                     group: tuple[int | None, int]) -> dict[str, np.ndarray]:
     """All our stored arrays of one HF linear (see `stored_array`)."""
-    return {key: stored_array(reader, module, kind, key, shape, block)
+    return {key: stored_array(reader, module, kind, key, shape, group)
             for key in STORED_KEYS[kind]}
 
 
@@ -95,8 +95,8 @@ def float_linear(reader, module: str, shape: tuple[int, int], quantization=None)
         raise ValueError(f"checkpoint stores {module} quantised ({kind}) but its config.json "
                          "has no quantization_config")
     fmt = quantization.weight_format
-    stored = stored_quantized(reader, module, kind, shape, block=(fmt.block_k, fmt.block_n))
+    stored = stored_quantized(reader, module, kind, shape, group=(fmt.group_k, fmt.group_n))
     weight = QuantizedWeight(values=stored["values"], scales=stored["scales"],
-                             zeros=stored.get("zeros"), kind=kind, block_k=fmt.block_k,
-                             block_n=fmt.block_n)
+                             zeros=stored.get("zeros"), kind=kind, group_k=fmt.group_k,
+                             group_n=fmt.group_n)
     return np.asarray(dequantize(weight, jnp.float32))

@@ -159,7 +159,7 @@ def base_name(name: str) -> str:
 
 def param_logical_axes(path: tuple) -> tuple:
     """Logical axes of the parameter at `path` (an nnx state path); a quantised weight's
-    scales and zero points have their weight's axes (their dims count blocks)."""
+    scales and zero points have their weight's axes (their dims count scale groups)."""
     names = tuple(p for p in path if isinstance(p, str))
     names = names[:-1] + (base_name(names[-1]),)
     stacked = names[0] == "segments"
@@ -196,7 +196,7 @@ def param_sharding(path, shape, mesh: Mesh, cfg) -> NamedSharding:
 def param_specs(shapes: dict, mesh, cfg) -> dict:
     """PartitionSpec of every param, {path: shape} in. A quantised weight's scales and zero
     points follow its split (`companion_spec`), which must fall on whole quantisation
-    blocks (`check_block_split`, ValueError naming the tensor otherwise)."""
+    scale groups (`check_group_split`, ValueError naming the tensor otherwise)."""
     specs = {}
     for path, shape in shapes.items():
         base = path[:-1] + (base_name(path[-1]),)
@@ -204,7 +204,7 @@ def param_specs(shapes: dict, mesh, cfg) -> dict:
         if base != path:
             spec = companion_spec(spec, shapes[base], shape)
         elif path[:-1] + (path[-1] + "_scale",) in shapes:
-            check_block_split(path, shape, spec, mesh, cfg)
+            check_group_split(path, shape, spec, mesh, cfg)
         specs[path] = spec
     return specs
 
@@ -252,30 +252,30 @@ def hf_name(path, cfg) -> str:
 _SPLIT_OPTIONS = {"model": "tensor_parallel_size", "expert": "expert_parallel_size"}
 
 
-def check_block_split(path, shape, spec, mesh, cfg) -> None:
-    """A quantised weight split over devices must give each device whole quantisation
-    blocks along K and N (its scale rows and columns); ValueError naming the tensor, the
-    split and the block otherwise (vLLM refuses the same splits)."""
+def check_group_split(path, shape, spec, mesh, cfg) -> None:
+    """A quantised weight split over devices must give each device whole scale groups
+    along K and N (its scale rows and columns); ValueError naming the tensor, the split and
+    the group otherwise (vLLM refuses the same splits)."""
     fmt = cfg.quantization.weight_format
     axes = param_logical_axes(path)
     k_dim = -3 if "gate_up" in axes else -2
-    for dim, block, field in ((k_dim, fmt.block_k, "group_size" if fmt.kind == "int4"
-                               else "weight_block_size[1]"),
-                              (-1, fmt.block_n, "weight_block_size[0]")):
+    fields = ({"fp8": "weight_block_size[1]", "int4": "group_size"},
+              {"fp8": "weight_block_size[0]"})
+    for dim, group, field in ((k_dim, fmt.group_k, fields[0]), (-1, fmt.group_n, fields[1])):
         axis = spec[len(shape) + dim] if len(spec) >= len(shape) + dim + 1 else None
-        if axis is None or block is None or block == 1:
+        if axis is None or group is None or group == 1:
             continue
         size = shape[dim] * (2 if fmt.kind == "int4" and dim == k_dim else 1)
         split = mesh.shape[axis]
-        if (size // split) % block:
-            name = hf_name(path, cfg)
+        if (size // split) % group:
             hint = (" or shard the experts with expert_parallel_size instead"
                     if "experts" in axes else "")
             raise ValueError(
-                f"cannot split quantised weight {name}: {_SPLIT_OPTIONS.get(axis, axis)}="
-                f"{split} cuts its {axes[dim]} dim of {size} into {size // split}-wide "
-                f"shards, not a multiple of the {fmt.kind} block of {block} "
-                f"(quantization_config.{field}); use a split that keeps whole blocks{hint}")
+                f"cannot split quantised weight {hf_name(path, cfg)}: "
+                f"{_SPLIT_OPTIONS.get(axis, axis)}={split} cuts its {axes[dim]} dim of {size} "
+                f"into {size // split}-wide shards, not a multiple of the {fmt.kind} scale "
+                f"block of {group} (quantization_config.{field[fmt.kind]}); use a split that "
+                f"keeps whole blocks{hint}")
 
 
 def kv_cache_sharding(mesh: Mesh) -> NamedSharding:

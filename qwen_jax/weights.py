@@ -128,7 +128,7 @@ def _quantizer(path, fmt: WeightFormat, targets: dict, group: dict, *, layer=Fal
         _drop_layer_dim(targets[group[k]]) if layer else targets[group[k]] for k in keys)
 
     def quantize_weight(w):
-        q = quantize(w, fmt.kind, block_k=fmt.block_k, block_n=fmt.block_n,
+        q = quantize(w, fmt.kind, group_k=fmt.group_k, group_n=fmt.group_n,
                      pair=is_pair(path))
         stored = {"values": q.values, "scales": q.scales, "zeros": q.zeros}
         return tuple(stored[k] for k in keys)
@@ -207,18 +207,18 @@ def hf_layer_stored(reader, cfg, layer_idx: int, subpath: tuple[str, ...], shape
     """{role: host array} of a quantised per-layer weight as the checkpoint stores it
     (quantized_io), `shape` its float shape ([K, N]; experts [E, K, (2,) N])."""
     fmt = cfg.quantization.weight_format
-    block = (fmt.block_k, fmt.block_n)
+    group = (fmt.group_k, fmt.group_n)
     prefix = f"model.layers.{layer_idx}."
     if subpath[0] == "mlp" and len(subpath) == 2:  # the experts
         pair = subpath[1] == "gate_up_proj"
         inner = (shape[1], shape[-1])
-        stored = stored_shapes(inner, fmt.kind, block_k=fmt.block_k, block_n=fmt.block_n)
+        stored = stored_shapes(inner, fmt.kind, group_k=fmt.group_k, group_n=fmt.group_n)
         modules = _expert_modules(prefix + "mlp.", subpath[1], cfg.num_experts)
         return {role: StackedExperts(
-            lambda m, role=role: stored_array(reader, m, fmt.kind, role, inner, block),
+            lambda m, role=role: stored_array(reader, m, fmt.kind, role, inner, group),
             modules, stored[role][0], pair=pair) for role in stored}
     return stored_quantized(reader, prefix + ".".join(subpath[:-1]), fmt.kind, tuple(shape),
-                            block=block)
+                            group=group)
 
 
 def hf_global_tensor(reader, cfg, path: tuple[str, ...], shape) -> np.ndarray:

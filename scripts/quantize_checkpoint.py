@@ -51,7 +51,7 @@ QUANTISED = re.compile(r"model\.layers\.\d+\.(self_attn\.[qkvo]_proj|mlp\.(exper
 def fp8_tensors(weight: np.ndarray, block: tuple[int, int]) -> dict[str, np.ndarray]:
     """torch [out, in] -> {"weight": fp8 [out, in], "weight_scale_inv": f32 blocks}."""
     block_n, block_k = block
-    q = quantize(np.asarray(weight, np.float32).T, "fp8", block_k=block_k, block_n=block_n)
+    q = quantize(np.asarray(weight, np.float32).T, "fp8", group_k=block_k, group_n=block_n)
     return {"weight": np.asarray(q.values).T.copy(),
             FP8_SCALE: np.asarray(q.scales, np.float32).T.copy()}
 

@@ -33,9 +33,9 @@ from pallas_kernels.quantized import (
 from tests.helpers.lowering import requires_cuda_lowering
 
 FORMATS = {  # kind -> quantize() options at test shapes (several blocks per matrix)
-    "fp8": dict(block_k=32, block_n=32),
+    "fp8": dict(group_k=32, group_n=32),
     "int8": {},
-    "int4": dict(block_k=32),
+    "int4": dict(group_k=32),
 }
 
 
@@ -44,23 +44,23 @@ def _oracle(weight: QuantizedWeight) -> np.ndarray:
     but independent of `dequantize`: every element looks up its own scale."""
     k, n = weight.shape[-2:]
     rows, cols = np.arange(k)[:, None], np.arange(n)[None, :]
-    block_k = weight.block_k or k
+    group_k = weight.group_k or k
     scales = np.asarray(weight.scales, np.float64)
     if weight.segment is not None:
-        per = -(-weight.segment // weight.block_n)
-        scale_cols = cols // weight.segment * per + cols % weight.segment // weight.block_n
+        per = -(-weight.segment // weight.group_n)
+        scale_cols = cols // weight.segment * per + cols % weight.segment // weight.group_n
     else:
-        scale_cols = cols // weight.block_n
-    scale = scales[..., rows // block_k, scale_cols]
+        scale_cols = cols // weight.group_n
+    scale = scales[..., rows // group_k, scale_cols]
     if weight.kind != "int4":
         return np.asarray(weight.values).astype(np.float64) * scale
     packed = np.asarray(weight.values)
-    half = block_k // 2
+    half = group_k // 2
     # row r of block b: low nibble (r < half) or high nibble of byte row b * half + r % half
-    byte_rows = rows // block_k * half + rows % half
-    nibble = np.where(rows % block_k < half, packed[..., byte_rows, cols] & 15,
+    byte_rows = rows // group_k * half + rows % half
+    nibble = np.where(rows % group_k < half, packed[..., byte_rows, cols] & 15,
                       packed[..., byte_rows, cols] >> 4).astype(np.float64)
-    zeros = np.asarray(weight.zeros).astype(np.float64)[..., rows // block_k, cols]
+    zeros = np.asarray(weight.zeros).astype(np.float64)[..., rows // group_k, cols]
     return (nibble - zeros) * scale
 
 
@@ -166,7 +166,7 @@ def test_grouped_matmul_moe_form_with_quantized_experts(kind, dtype):
         np.testing.assert_allclose(as_float(out) / 3, by_hand / 3, atol=2 * tol, rtol=2 * tol)
 
 
-def test_int4_block_k_is_the_scale_block():
+def test_int4_steps_one_scale_group_at_a_time():
     rng = np.random.default_rng(5)
     (w,) = _stack(rng, 1, 64, (32,), "int4")
     x = jnp.asarray(rng.standard_normal((4, 64)), jnp.float32)
@@ -182,7 +182,7 @@ def _abstract(shape, kind, **options):
     return jax.eval_shape(lambda: quantize(jnp.zeros(shape, jnp.bfloat16), kind, **options))
 
 
-QWEN_FORMATS = {"fp8": dict(block_k=128, block_n=128), "int8": {}, "int4": dict(block_k=128)}
+QWEN_FORMATS = {"fp8": dict(group_k=128, group_n=128), "int8": {}, "int4": dict(group_k=128)}
 STORED = {"fp8": "f8E4M3FN", "int8": "i8", "int4": "ui8"}
 
 
@@ -224,6 +224,6 @@ def test_quantized_stacked_matmul_lowers_at_30b_shapes(kind):
 
 
 def test_fp8_values_are_e4m3():
-    q = quantize(np.ones((1, 32, 32), np.float32), "fp8", block_k=32, block_n=32)
+    q = quantize(np.ones((1, 32, 32), np.float32), "fp8", group_k=32, group_n=32)
     assert q.values.dtype == ml_dtypes.float8_e4m3fn
     assert float(np.asarray(q.values, np.float32).max()) == 448.0  # max |w| maps to e4m3 max

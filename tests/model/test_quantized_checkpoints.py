@@ -158,8 +158,7 @@ def test_awq_checkpoint_is_packed_as_autoawq(checkpoints):
 
 def test_hf_transformers_reads_our_fp8_checkpoint_as_we_do(checkpoints, prompts):
     """transformers' FineGrainedFP8 loader (dequantize=True runs on CPU) gives our logits."""
-    torch = pytest.importorskip("torch")
-    pytest.importorskip("accelerate")
+    import torch
     from transformers import AutoModelForCausalLM, FineGrainedFP8Config
     hf = AutoModelForCausalLM.from_pretrained(
         checkpoints["fp8"], dtype=torch.float32,
@@ -261,7 +260,7 @@ def test_tensor_parallel_split_inside_a_block_is_refused_naming_it(checkpoints):
     with pytest.raises(ValueError, match=r"cannot split quantised weight model\.layers\.\d+-\d+"
                                          r"\.\S+: tensor_parallel_size=2 cuts its \w+ dim of "
                                          r"\d+ into \d+-wide shards, not a multiple of the fp8 "
-                                         r"block of 128"):
+                                         r"scale block of 128"):
         Qwen3ForCausalLM.from_pretrained(checkpoints["fp8"], mesh=make_mesh(2, 1))
 
 
