@@ -3,7 +3,7 @@ OUTDIR/probe.jsonl as one JSON line the moment it is measured.
 
     PYTHONPATH=. python3 benchmarks/device_probe.py --out OUTDIR \\
         [--stages env,check,attention,matmul,engine,offline] [--timeout STAGE=SECONDS]
-        [--num-gpu-blocks-override 5200] [--small]
+        [--num-gpu-blocks-override 5200] [--quantization fp8|int8|awq] [--small]
 
 Run from the repo root; nothing is installed. Stages run in this order, each in its own
 process under its own timeout (a stage that times out or crashes leaves one line saying
@@ -12,12 +12,17 @@ so, and the next stage runs):
   env        versions, devices, memory, whether Triton kernels lower for CUDA
   check      each kernel against its jnp reference on the device
   attention  decode HBM GB/s at 1 / 8 / 64 sequences of 1k context; 2k prefill TFLOP/s
-  matmul     grouped matmul GB/s over the experts touched at 1 / 8 / 64 decode tokens and
-             a 2k prefill; stacked q/k/v and o_proj matmuls; KV page write
+  matmul     grouped matmul GB/s over the experts touched at 1 / 8 / 64 decode tokens (bf16,
+             fp8 and int4 experts) and a 2k prefill; stacked q/k/v and o_proj matmuls; KV
+             page write
   engine     LLMEngine on Qwen3-30B-A3B shapes, dummy bf16 weights: load seconds, then per
              bucket compile seconds, temp memory and op counts of the compiled step
   offline    decode through LLMEngine.step, 1024 in / 128 out, at 1, 8 and 64 sequences:
              output tok/s, execute ms and host ms per step (in the engine's process)
+
+--quantization fp8 (or int8, awq): the engine and offline stages with quantised weights,
+to set beside a run without it (`--stages engine,offline --quantization fp8`); the matmul
+stage always measures the grouped matmul with bf16, fp8 and int4 expert weights.
 
 --small: the embedded tiny model and tiny kernel shapes on the CPU, kernels interpreted:
 a dry run of every stage (its numbers mean nothing).
@@ -78,14 +83,16 @@ def _kernel_stage(stage, parts):
 
 
 def engine_kwargs(args):
+    quantization = {} if args.quantization is None else dict(quantization=args.quantization)
     if args.small:
         return dict(model=None, max_num_seqs=8, max_num_batched_tokens=64, max_model_len=256,
-                    token_buckets=[8, 64], seq_buckets=[4, 8], num_gpu_blocks_override=200)
+                    token_buckets=[8, 64], seq_buckets=[4, 8], num_gpu_blocks_override=200,
+                    **quantization)
     # 64 sequences of 1024 + 128 tokens need 64 x 72 pages + the scratch page.
     return dict(model="qwen3-30b-a3b", load_format="dummy", dtype="bfloat16",
                 max_num_seqs=64, max_num_batched_tokens=2048, max_model_len=1280,
                 token_buckets=[8, 64, 2048], seq_buckets=[4, 8, 64],
-                num_gpu_blocks_override=args.num_gpu_blocks_override)
+                num_gpu_blocks_override=args.num_gpu_blocks_override, **quantization)
 
 
 def stage_engine(emit, args, arm):
@@ -104,6 +111,8 @@ def stage_engine(emit, args, arm):
     device = jax.local_devices()[0]
     emit("engine", load_s=round(engine.load_seconds, 1), kv_pages=engine.num_pages,
          buckets=engine.bucket_pairs, impl=engine.model.impl,
+         quantization=args.quantization or "none",
+         weight_gb=round(_weight_bytes(engine) / 1e9, 3),
          memory=getattr(device, "memory_stats", lambda: None)())
     weight_shapes = step_hlo.per_layer_weight_shapes(engine.runner)
 
@@ -147,7 +156,7 @@ def stage_offline(emit, args, engine):
         wall = time.perf_counter() - started
         decode = [(run, total) for bucket, run, total in steps if bucket[0] <= decode_tokens]
         median_ms = lambda v: round(float(np.median(v)) * 1e3, 3) if v else None
-        emit("offline", concurrency=concurrency,
+        emit("offline", concurrency=concurrency, quantization=args.quantization or "none",
              output_tok_s=round(concurrency * out_len / wall, 1),
              wall_s=round(wall, 2), steps=len(steps), decode_steps=len(decode),
              decode_execute_ms_p50=median_ms([r for r, _ in decode]),
@@ -183,6 +192,13 @@ def utilisation(engine, steps, shapes, decode_tokens):
             out[f"{kind}_mfu_p50"] = round(flops / peak.flops(model.param_bytes) / devices, 4)
             out[f"{kind}_mbu_p50"] = round(rate / peak.memory_bytes_per_s / devices, 4)
     return out
+
+
+def _weight_bytes(engine) -> int:
+    """Bytes of the model's params on the devices (quantised weights as stored)."""
+    import jax
+    from flax import nnx
+    return sum(x.nbytes for x in jax.tree.leaves(nnx.state(engine.model, nnx.Param)))
 
 
 class Watchdog:
@@ -248,6 +264,10 @@ def parse_args(argv):
                         help="STAGE=SECONDS, repeatable (defaults: %s)" % TIMEOUTS)
     parser.add_argument("--num-gpu-blocks-override", type=int, default=5200)
     parser.add_argument("--concurrency", default="1,8,64")
+    parser.add_argument("--quantization", default=None, choices=("fp8", "int8", "awq"),
+                        help="engine and offline stages with quantised weights (dummy, as "
+                             "that format's checkpoint holds them); run once without it "
+                             "and once with it to compare")
     parser.add_argument("--small", action="store_true")
     parser.add_argument("--child", choices=[s for s in STAGES if s != "offline"],
                         help=argparse.SUPPRESS)

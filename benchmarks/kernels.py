@@ -7,7 +7,9 @@
 - grouped matmul (the MoE call form: rows read through lhs_rows, stacked weights):
   GB/s over the weights of the experts actually touched at 1 / 8 / 64 decode tokens and
   a 2k prefill, TFLOP/s over the real rows; jax.lax.ragged_dot beside it only up to
-  512 rows (XLA computes every group densely: seconds per call at 16k rows)
+  512 rows (XLA computes every group densely: seconds per call at 16k rows); the decode
+  cases also with fp8 (128 x 128 blocks) and int4 (AWQ, groups of 128) expert weights:
+  GB/s over their stored bytes, `vs_bf16` the speed-up, `rel_err` against the reference
 - stacked matmul (q/k/v in one launch, o_proj): weight GB/s at decode, TFLOP/s at prefill
 - KV page write: GB/s over the rows written
 
@@ -39,6 +41,7 @@ from pallas_kernels import (
     write_kv_pages,
 )
 from pallas_kernels.grouped_matmul import tuning as gmm_tuning
+from pallas_kernels.quantized import QuantizedWeight, quantize
 
 
 @dataclasses.dataclass(frozen=True, kw_only=True)
@@ -57,11 +60,13 @@ class Shapes:
     token_buckets: tuple = (8, 8, 64)  # the step's bucket for 1 / 8 / 64 decode tokens
     iters: int = 20
     ragged_dot_max_rows: int = 512
+    weight_formats: tuple = ("bf16", "fp8", "int4")  # expert weights of the decode cases
+    int4_group: int = 128  # AWQ's group_size
 
 
 SMALL = Shapes(num_q_heads=8, num_kv_heads=2, head_dim=64, context=64, decode_seqs=(1, 4),
                prefill_tokens=32, num_experts=8, top_k=2, hidden=64, expert_ffn=32,
-               token_buckets=(8, 8), iters=2)
+               token_buckets=(8, 8), iters=2, int4_group=32)
 TOLERANCE = 2e-2  # bf16
 
 
@@ -164,24 +169,47 @@ def attention(rng, shapes, interpret):
            "tflops": flops / seconds / 1e12}
 
 
+def expert_weights(w, fmt, shapes):
+    """The bf16 expert stack [1, E, D, 2F] as a format the step can hold it in."""
+    if fmt == "bf16":
+        return w
+    if fmt == "fp8":  # Qwen's FP8 checkpoints: 128 x 128 blocks
+        return quantize(w, "fp8", group_k=128, group_n=128)
+    return quantize(w, "int4", group_k=shapes.int4_group)  # AWQ
+
+
 def moe_matmul(rng, shapes, interpret):
+    """Decode cases in every weight format (bf16, fp8, int4: GB/s over the stored bytes
+    of the touched experts, the speed-up over bf16 in the same run, the error against the
+    reference); the prefill case in bf16."""
     cases = [(f"decode_{t}", t, b) for t, b in zip(shapes.decode_seqs, shapes.token_buckets)]
     cases.append((f"prefill_{shapes.prefill_tokens}", shapes.prefill_tokens,
                   shapes.prefill_tokens))
     kernel = jax.jit(lambda x, w, kw: grouped_matmul(x, w, interpret=interpret, **kw))
     reference = jax.jit(lambda x, w, kw: grouped_matmul_reference(x, w, **kw))
     for name, tokens, bucket in cases:
-        (x, w), kwargs, touched = moe_case(rng, shapes, tokens, bucket)
+        (x, w_bf16), kwargs, touched = moe_case(rng, shapes, tokens, bucket)
         rows = bucket * shapes.top_k
-        weight_bytes = touched * w[0, 0].size * 2
-        flops = 2 * tokens * shapes.top_k * w.shape[2] * w.shape[3]
-        impls = [("pallas", kernel)] + ([("ragged_dot", reference)]
-                                        if rows <= shapes.ragged_dot_max_rows else [])
-        for impl, fn in impls:
-            seconds = timed(fn, x, w, kwargs, iters=shapes.iters)
-            yield {"part": "grouped_matmul", "name": f"gate_up_{name}", "impl": impl,
-                   "rows": rows, "experts_touched": touched, "ms": seconds * 1e3,
-                   "weight_gbps": weight_bytes / seconds / 1e9, "tflops": flops / seconds / 1e12}
+        flops = 2 * tokens * shapes.top_k * w_bf16.shape[2] * w_bf16.shape[3]
+        bf16_seconds = None
+        for fmt in shapes.weight_formats if name.startswith("decode") else ("bf16",):
+            w = expert_weights(w_bf16, fmt, shapes)
+            stored = w.nbytes if isinstance(w, QuantizedWeight) else w.size * 2
+            weight_bytes = touched * stored // shapes.num_experts
+            impls = [("pallas", kernel)] + ([("ragged_dot", reference)] if fmt == "bf16"
+                                            and rows <= shapes.ragged_dot_max_rows else [])
+            for impl, fn in impls:
+                seconds = timed(fn, x, w, kwargs, iters=shapes.iters)
+                row = {"part": "grouped_matmul", "name": f"gate_up_{name}", "impl": impl,
+                       "format": fmt, "rows": rows, "experts_touched": touched,
+                       "ms": seconds * 1e3, "weight_gbps": weight_bytes / seconds / 1e9,
+                       "tflops": flops / seconds / 1e12}
+                if impl == "pallas" and fmt == "bf16":
+                    bf16_seconds = seconds
+                elif impl == "pallas":
+                    row.update(vs_bf16=bf16_seconds / seconds, rel_err=rel_err(
+                        fn(x, w, kwargs), reference(x, w, kwargs)))
+                yield row
 
 
 def dense_matmul(rng, shapes, interpret):

@@ -20,7 +20,7 @@ from jax.sharding import PartitionSpec as P
 
 import pallas_kernels
 from pallas_kernels.array_types import Array, Int
-from qwen_jax.layers import Linear, RMSNorm, Runtime, rms_normalize, rope_tables, rotate
+from qwen_jax.layers import Linear, RMSNorm, Runtime, no_quant, rms_normalize, rope_tables, rotate
 from qwen_jax.sharding import kv_replication
 
 # KV page dtypes stored quantised; they are read and written with per-kv-head scales.
@@ -119,13 +119,15 @@ def paged_attention(q, k, v, kv_cache, ctx: StepContext, page_offset, sm_scale, 
 class Attention(nnx.Module):
     """HF `self_attn`: q/k/v/o projections (optional bias), per-head q_norm/k_norm."""
 
-    def __init__(self, cfg, *, stack=(), dtype=jnp.float32, rngs=None):
+    def __init__(self, cfg, *, stack=(), dtype=jnp.float32, rngs=None, quant=no_quant):
+        """quant(name) -> the WeightFormat of sub-module `name` (None: unquantised)."""
         d, n, k, h = cfg.hidden_size, cfg.num_attention_heads, cfg.num_key_value_heads, cfg.head_dim
-        bias = cfg.attention_bias
-        self.q_proj = Linear(d, n * h, use_bias=bias, stack=stack, dtype=dtype, rngs=rngs)
-        self.k_proj = Linear(d, k * h, use_bias=bias, stack=stack, dtype=dtype, rngs=rngs)
-        self.v_proj = Linear(d, k * h, use_bias=bias, stack=stack, dtype=dtype, rngs=rngs)
-        self.o_proj = Linear(n * h, d, use_bias=bias, stack=stack, dtype=dtype, rngs=rngs)
+        linear = lambda name, i, o: Linear(i, o, use_bias=cfg.attention_bias, stack=stack,
+                                           dtype=dtype, rngs=rngs, quant=quant(f"self_attn.{name}"))
+        self.q_proj = linear("q_proj", d, n * h)
+        self.k_proj = linear("k_proj", d, k * h)
+        self.v_proj = linear("v_proj", d, k * h)
+        self.o_proj = linear("o_proj", n * h, d)
         self.q_norm = RMSNorm(h, cfg.rms_norm_eps, stack=stack, dtype=dtype)
         self.k_norm = RMSNorm(h, cfg.rms_norm_eps, stack=stack, dtype=dtype)
         self.num_heads, self.num_kv_heads, self.head_dim = n, k, h
@@ -138,7 +140,7 @@ class Attention(nnx.Module):
         num_tokens = x.shape[0]
         n, k, h = self.num_heads, self.num_kv_heads, self.head_dim
         projs = (self.q_proj, self.k_proj, self.v_proj)
-        qkv = matmul_op(rt)(x, tuple(p.kernel[...] for p in projs), layer)  # [T, (N+2K)H]
+        qkv = matmul_op(rt)(x, tuple(p.weight() for p in projs), layer)   # [T, (N+2K)H]
         if self.q_proj.bias is not None:
             qkv = qkv + jnp.concatenate([p.bias[...] for p in projs])
         # q_norm and k_norm in one pass: each head is normalised over H on its own.
@@ -154,7 +156,7 @@ class Attention(nnx.Module):
             k_new, v = jnp.repeat(k_new, copies, axis=1), jnp.repeat(v, copies, axis=1)
         out, kv_cache = paged_attention(q, k_new, v, kv_cache, ctx, page_offset, h ** -0.5,
                                         rt)                                # [T, N, H]
-        out = matmul_op(rt)(out.reshape(num_tokens, n * h), (self.o_proj.kernel[...],), layer)
+        out = matmul_op(rt)(out.reshape(num_tokens, n * h), (self.o_proj.weight(),), layer)
         if self.o_proj.bias is not None:
             out = out + self.o_proj.bias[...]
         return out, kv_cache

@@ -11,6 +11,7 @@ from pathlib import Path
 
 import numpy as np
 
+from qwen_jax.quantization import Quantization
 from qwen_jax.validation import require
 
 DENSE_ARCH = "Qwen3ForCausalLM"
@@ -59,6 +60,8 @@ class ModelConfig:
     mlp_only_layers: tuple[int, ...] = ()
     bos_token_id: int | None = None
     eos_token_id: int | tuple[int, ...] | None = None
+    # Weight quantisation: the checkpoint's quantization_config, or --quantization.
+    quantization: Quantization | None = None
 
     def __post_init__(self):
         require(self.architecture in (DENSE_ARCH, MOE_ARCH), "architectures", self.architecture,
@@ -151,7 +154,9 @@ class ModelConfig:
             "rope_parameters": rope,
             "mlp_only_layers": list(self.mlp_only_layers),
         }
-        skip = {"architecture", "rope_theta", "rope_scaling", "mlp_only_layers"}
+        if self.quantization is not None:
+            out["quantization_config"] = self.quantization.to_hf_dict()
+        skip = {"architecture", "rope_theta", "rope_scaling", "mlp_only_layers", "quantization"}
         for f in dataclasses.fields(self):
             if f.name not in skip:
                 value = getattr(self, f.name)
@@ -270,6 +275,8 @@ def _fields_from_hf(hf: dict) -> dict:
         attention_bias=bool(hf.get("attention_bias", False)),
         hidden_act=hf.get("hidden_act", "silu"),
         bos_token_id=hf.get("bos_token_id"),
+        quantization=(Quantization.from_hf(hf["quantization_config"])
+                      if hf.get("quantization_config") else None),
         eos_token_id=tuple(hf["eos_token_id"]) if isinstance(hf.get("eos_token_id"), list)
         else hf.get("eos_token_id"),
     )

@@ -22,6 +22,9 @@ import jax.numpy as jnp
 from flax import nnx
 from jax.sharding import Mesh
 
+from pallas_kernels.quantized import QuantizedWeight, dequantize, stored_shapes
+from qwen_jax.quantization import WeightFormat
+
 INIT_STD = 0.02
 
 
@@ -43,17 +46,82 @@ def init_param(rngs: nnx.Rngs | None, shape: tuple[int, ...], dtype, std: float 
     return nnx.Param(jax.random.normal(rngs.params(), shape, dtype) * jnp.asarray(std, dtype))
 
 
+def no_quant(name: str) -> None:
+    """The `quant` of an unquantised model: no sub-module is quantised."""
+    del name
+
+
+STORED_SUFFIXES = {"values": "", "scales": "_scale", "zeros": "_zero"}
+# Spread of random stored values: a random quantised weight dequantises to about
+# normal(0, INIT_STD) with scales INIT_STD / spread (int4: nibbles uniform on 0..15 around
+# a zero point of 8, standard deviation 4.6).
+_RANDOM_SPREAD = {"fp8": 64.0, "int8": 32.0, "int4": 4.6}
+
+
+def random_stored(key, role: str, shape, dtype, kind: str) -> jax.Array:
+    """A random stored array ("values", "scales", "zeros") of a quantised weight, drawn
+    directly in its dtype: no float copy of the weight (dummy 30B weights fit)."""
+    spread = _RANDOM_SPREAD[kind]
+    if role == "scales":
+        return jnp.full(shape, INIT_STD / spread, dtype)
+    if role == "zeros":
+        return jnp.full(shape, 8, dtype)
+    if kind == "int4":
+        return jax.random.randint(key, shape, 0, 256, jnp.int32).astype(dtype)
+    normal = jax.random.normal(key, shape, jnp.bfloat16) * spread
+    if kind == "int8":
+        normal = jnp.clip(jnp.round(normal), -127, 127)
+    return normal.astype(dtype)
+
+
+def init_weight(module: nnx.Module, name: str, rngs, shape: tuple[int, ...], dtype,
+                quant: WeightFormat | None, *, pair: bool = False) -> None:
+    """Sets module.<name>: a float param, or, quantised, the stored values with
+    <name>_scale and <name>_zero (int4) beside it (random, see `random_stored`).
+    pair: shape [..., K, 2, F], two matrices (gate and up)."""
+    if quant is None:
+        setattr(module, name, init_param(rngs, shape, dtype))
+        return
+    stored = stored_shapes(shape, quant.kind, group_k=quant.group_k, group_n=quant.group_n,
+                           pair=pair)
+    for role in STORED_SUFFIXES:
+        value = None if role not in stored else nnx.Param(random_stored(
+            rngs.params(), role, *stored[role], quant.kind))
+        setattr(module, name + STORED_SUFFIXES[role], value)
+
+
+def stored_weight(module: nnx.Module, name: str, quant: WeightFormat | None, *,
+                  pair: bool = False):
+    """module.<name> as the matmul ops take it: the float array, or a QuantizedWeight over
+    the stored values and scales (read in place, dequantised inside the kernels)."""
+    values = getattr(module, name)[...]
+    if quant is None:
+        return values
+    zeros = getattr(module, f"{name}_zero")
+    return QuantizedWeight(values=values, scales=getattr(module, f"{name}_scale")[...],
+                           zeros=None if zeros is None else zeros[...], kind=quant.kind,
+                           group_k=quant.group_k, group_n=quant.group_n, pair=pair)
+
+
 class Linear(nnx.Module):
-    """y = x @ kernel + bias; kernel [in, out] is the transpose of torch's `weight` [out, in]."""
+    """y = x @ kernel + bias; kernel [in, out] is the transpose of torch's `weight` [out, in].
+    Quantised (`quant`), kernel holds the stored values and kernel_scale (kernel_zero) the
+    scales (zero points), in pallas_kernels/quantized.py's layouts."""
 
     def __init__(self, in_features: int, out_features: int, *, use_bias: bool = False,
-                 stack: tuple[int, ...] = (), dtype=jnp.float32, rngs: nnx.Rngs | None = None):
-        self.kernel = init_param(rngs, (*stack, in_features, out_features), dtype)
+                 stack: tuple[int, ...] = (), dtype=jnp.float32, rngs: nnx.Rngs | None = None,
+                 quant: WeightFormat | None = None):
+        self.quant = quant
+        init_weight(self, "kernel", rngs, (*stack, in_features, out_features), dtype, quant)
         self.bias = (init_param(rngs, (*stack, out_features), dtype, fill=0.0)
                      if use_bias else None)
 
+    def weight(self):
+        """The kernel as the matmul ops take it (see `stored_weight`)."""
+        return stored_weight(self, "kernel", self.quant)
+
     def __call__(self, x: jax.Array) -> jax.Array:
-        y = jnp.einsum("...i,io->...o", x, self.kernel[...])
+        y = jnp.einsum("...i,io->...o", x, dequantize(self.weight(), x.dtype))
         if self.bias is not None:
             y = y + self.bias[...]
         return y

@@ -12,8 +12,9 @@ from pallas_kernels.array_types import Array, Float, Int
 from qwen_jax import sharding, weights
 from qwen_jax.attention import Attention, AttentionMetadata, StepContext, step_context
 from qwen_jax.config import ModelConfig
-from qwen_jax.layers import RMSNorm, Runtime, init_param
+from qwen_jax.layers import RMSNorm, Runtime, init_param, no_quant
 from qwen_jax.moe import MLP, SparseMoE
+from qwen_jax.quantization import Quantization
 
 KVCache = list  # per segment: (k [X*P, L, K', H], v [X*P, L, K', H]); K' = K * replication
 
@@ -21,13 +22,16 @@ KVCache = list  # per segment: (k [X*P, L, K', H], v [X*P, L, K', H]); K' = K * 
 class DecoderLayer(nnx.Module):
     """HF `model.layers.{i}`; built with `stack=(X,)` to hold X layers' params stacked."""
 
-    def __init__(self, cfg: ModelConfig, kind: str, *, stack=(), dtype=jnp.float32, rngs=None):
+    def __init__(self, cfg: ModelConfig, kind: str, *, stack=(), dtype=jnp.float32, rngs=None,
+                 layers: range = range(0)):
+        """layers: the HF layer indices held (their quantisation decides the formats)."""
         self.input_layernorm = RMSNorm(cfg.hidden_size, cfg.rms_norm_eps, stack=stack, dtype=dtype)
-        self.self_attn = Attention(cfg, stack=stack, dtype=dtype, rngs=rngs)
+        quant = layer_quant(cfg.quantization, layers)
+        self.self_attn = Attention(cfg, stack=stack, dtype=dtype, rngs=rngs, quant=quant)
         self.post_attention_layernorm = RMSNorm(cfg.hidden_size, cfg.rms_norm_eps, stack=stack,
                                                 dtype=dtype)
         mlp_cls = SparseMoE if kind == "moe" else MLP
-        self.mlp = mlp_cls(cfg, stack=stack, dtype=dtype, rngs=rngs)
+        self.mlp = mlp_cls(cfg, stack=stack, dtype=dtype, rngs=rngs, quant=quant)
 
     def __call__(self, x, kv_cache, ctx: StepContext, layer, page_offset, rt):
         """Layer `layer` of the stack: matrices whole, vectors already sliced."""
@@ -36,6 +40,14 @@ class DecoderLayer(nnx.Module):
         x = x + attn_out
         x = x + self.mlp(self.post_attention_layernorm(x), ctx.valid, rt, layer)
         return x, kv_cache
+
+
+def layer_quant(quantization: Quantization | None, layers: range):
+    """quant(name) -> the WeightFormat of sub-module `name` (e.g. "self_attn.q_proj") over
+    `layers`: quantised only if the checkpoint quantises it in every one of them."""
+    if quantization is None:
+        return no_quant
+    return lambda name: quantization.format_for([f"model.layers.{i}.{name}" for i in layers])
 
 
 def layer_vectors(state):
@@ -93,8 +105,9 @@ class Qwen3ForCausalLM(nnx.Module):
         self.runtime = Runtime(impl or pallas_kernels.default_impl(), mesh)
         self.embed_tokens = init_param(rngs, (cfg.vocab_size, cfg.hidden_size), dtype)  # [V, D]
         self.segments = nnx.List([
-            DecoderLayer(cfg, kind, stack=(count,), dtype=dtype, rngs=rngs)
-            for kind, _, count in cfg.segments])
+            DecoderLayer(cfg, kind, stack=(count,), dtype=dtype, rngs=rngs,
+                         layers=range(first, first + count))
+            for kind, first, count in cfg.segments])
         self.norm = RMSNorm(cfg.hidden_size, cfg.rms_norm_eps, dtype=dtype)
         self.lm_head = (None if cfg.tie_word_embeddings
                         else init_param(rngs, (cfg.hidden_size, cfg.vocab_size), dtype))  # [D, V]
@@ -166,14 +179,16 @@ class Qwen3ForCausalLM(nnx.Module):
 
     @classmethod
     def from_pretrained(cls, path, dtype="float32", *, impl: str | None = None,
-                        load_format: str = "auto", mesh=None, seed: int = 0
-                        ) -> "Qwen3ForCausalLM":
+                        load_format: str = "auto", mesh=None, seed: int = 0,
+                        quantization: str | None = None) -> "Qwen3ForCausalLM":
         """Load an HF safetensors checkpoint, an orbax checkpoint written by
         `qwen-jax convert`, or (load_format="dummy" or a preset name) random weights drawn
         from `seed`; with a `mesh` (qwen_jax.sharding.make_mesh) every weight lands in its
-        shards."""
+        shards. Quantised checkpoints (fp8, AWQ) load as they are; quantization="fp8" |
+        "int8" quantises a float one at load (qwen_jax/quantization.py)."""
         return weights.load_model(path, dtype, model_cls=cls, impl=impl,
-                                  load_format=load_format, seed=seed, mesh=mesh)
+                                  load_format=load_format, seed=seed, mesh=mesh,
+                                  quantization=quantization)
 
 
 def contiguous_metadata(batch: int, seq_len: int, page_size: int):

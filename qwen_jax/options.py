@@ -15,3 +15,8 @@ KV_CACHE_DTYPES = {"auto": None, "bfloat16": "bfloat16", "float16": "float16",
 # Where weights come from: auto (orbax if the directory holds one, else safetensors; dummy
 # for a preset name), random (dummy), HF safetensors, or an orbax checkpoint.
 LOAD_FORMATS = ("auto", "dummy", "safetensors", "orbax")
+
+# `--quantization`: fp8 and awq read checkpoints of that method (which load quantised
+# without the option too); fp8 and int8 quantise a float checkpoint at load; presets
+# (dummy weights) take all three. See qwen_jax/quantization.py.
+QUANTIZATION_METHODS = ("fp8", "int8", "awq")

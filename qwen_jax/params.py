@@ -1,5 +1,6 @@
 """Helpers every loader shares (weights, checkpoint, planner): dtype names -> dtypes, the
-shape-only model, and the buffers derived from the config rather than loaded.
+shape-only model, the buffers derived from the config rather than loaded, and the params
+of a quantised weight grouped (its values, scales and zero points load together).
 
 A leaf: it never imports the model module. Loaders receive the model class from
 `Qwen3ForCausalLM.from_pretrained` (its `cls`), so `model.py` can import them at the top
@@ -11,6 +12,7 @@ from __future__ import annotations
 import jax.numpy as jnp
 from flax import nnx
 
+from qwen_jax import sharding
 from qwen_jax.config import ModelConfig
 from qwen_jax.options import KV_CACHE_DTYPES, PARAM_DTYPES
 
@@ -44,3 +46,43 @@ def init_buffers(state: nnx.State, cfg: ModelConfig) -> None:
     for path, var in nnx.to_flat_state(state):
         if path == ("rope_inv_freq",):
             var.set_value(jnp.asarray(cfg.rope_inv_freq_and_scale[0]))
+
+
+# ---- params grouped by weight ------------------------------------------------------------
+def params_of(state: nnx.State) -> dict:
+    """{path: nnx.Param} of a model's state, in its order."""
+    return {path: var for path, var in nnx.to_flat_state(state) if isinstance(var, nnx.Param)}
+
+
+def weight_groups(params: dict) -> dict:
+    """{weight path: {"values": path[, "scales": path, "zeros": path]}}: a quantised weight
+    and its companions (<name>_scale, <name>_zero) load together; other params alone."""
+    groups = {}
+    for path in params:
+        if sharding.base_name(path[-1]) != path[-1]:
+            continue
+        group = {"values": path}
+        for key, suffix in (("scales", "_scale"), ("zeros", "_zero")):
+            if path[:-1] + (path[-1] + suffix,) in params:
+                group[key] = path[:-1] + (path[-1] + suffix,)
+        groups[path] = group
+    return groups
+
+
+def quantized_paths(state: nnx.State) -> set:
+    """Paths of every quantised weight's stored arrays (values, scales, zero points)."""
+    return {p for group in weight_groups(params_of(state)).values() if len(group) > 1
+            for p in group.values()}
+
+
+def is_pair(path) -> bool:
+    """The experts' gate/up: two matrices stored [..., K, 2, F]."""
+    return "gate_up" in sharding.param_logical_axes(path)
+
+
+def logical_shape(path, stored_shape, cfg: ModelConfig) -> tuple[int, ...]:
+    """The float shape of a quantised weight (int4 values hold two K rows per byte)."""
+    if cfg.quantization is None or cfg.quantization.weight_format.kind != "int4":
+        return tuple(stored_shape)
+    k_dim = len(stored_shape) + (-3 if is_pair(path) else -2)
+    return tuple(d * 2 if i == k_dim else d for i, d in enumerate(stored_shape))

@@ -13,7 +13,8 @@ from flax import nnx
 from qwen_jax.config import ModelConfig
 from qwen_jax.model import Qwen3ForCausalLM
 from qwen_jax.params import abstract_model, resolve_dtype
-from qwen_jax.sharding import kv_replication, param_logical_axes, spec_for
+from qwen_jax.quantization import resolve as resolve_quantization
+from qwen_jax.sharding import kv_replication, param_specs
 
 
 @dataclasses.dataclass(frozen=True)
@@ -33,6 +34,7 @@ class MemoryPlan:
     kv_bytes_per_page_per_device: int
     num_pages: int
     page_size: int  # tokens per KV page (vLLM's option `block_size`)
+    weights: str = ""  # the weights' dtype, or their quantisation and the rest's dtype
 
     @property
     def max_concurrent_tokens(self) -> int:
@@ -41,6 +43,7 @@ class MemoryPlan:
     def summary(self) -> str:
         gb = 1e9
         return (f"TP={self.tensor_parallel_size} x EP={self.expert_parallel_size}: weights "
+                f"({self.weights}) "
                 f"{self.weight_bytes_per_device / gb:.1f} GB/device of "
                 f"{self.usable_bytes / gb:.1f} GB usable; KV "
                 f"{self.kv_bytes_per_page_per_device / 2**10:.0f} KiB/page/device -> "
@@ -66,27 +69,35 @@ def _abstract_params(cfg: ModelConfig, dtype="float32") -> nnx.State:
 
 
 def param_count(cfg: ModelConfig) -> int:
-    return sum(math.prod(x.shape) for x in jax.tree.leaves(_abstract_params(cfg)))
+    """Parameters of the model (quantised or not: the float model's count)."""
+    params = _abstract_params(dataclasses.replace(cfg, quantization=None))
+    return sum(math.prod(x.shape) for x in jax.tree.leaves(params))
 
 
 def weight_bytes_per_device(cfg: ModelConfig, dtype, tp: int, ep: int) -> int:
-    """Bytes of the largest shard set one device holds, from abstract shapes alone."""
+    """Bytes of the largest shard set one device holds, from abstract shapes alone: each
+    param in its own dtype (quantised weights, their scales and zero points as stored;
+    a split that breaks a quantisation block raises ValueError, as loading would)."""
     mesh = _MeshShape({"data": 1, "expert": ep, "model": tp})
+    values = {path: var.get_value()
+              for path, var in nnx.to_flat_state(_abstract_params(cfg, dtype))}
+    specs = param_specs({path: v.shape for path, v in values.items()}, mesh, cfg)
     total = 0
-    for path, var in nnx.to_flat_state(_abstract_params(cfg, dtype)):
-        shape = var.get_value().shape
-        spec = spec_for(param_logical_axes(path), shape, mesh, cfg.num_key_value_heads)
-        factor = math.prod(mesh.shape[a] for a in spec if a is not None)
-        total += math.prod(shape) // factor * _itemsize(dtype)
+    for path, value in values.items():
+        factor = math.prod(mesh.shape[a] for a in specs[path] if a is not None)
+        total += math.prod(value.shape) // factor * _itemsize(value.dtype)
     return total
 
 
 def plan_memory(cfg: ModelConfig, *, dtype="bfloat16", tensor_parallel_size: int = 1,
                 expert_parallel_size: int = 1, device_memory_bytes: int,
                 gpu_memory_utilization: float = 0.9, block_size: int = 16,
-                kv_cache_dtype=None) -> MemoryPlan:
-    """Raise ValueError (with the numbers) when the weights leave no room for the cache."""
+                kv_cache_dtype=None, quantization: str | None = None) -> MemoryPlan:
+    """Raise ValueError (with the numbers) when the weights leave no room for the cache.
+    quantization: fp8 | int8 | awq weights (default: the checkpoint config's, if any)."""
     dtype = resolve_dtype(dtype)
+    cfg = dataclasses.replace(cfg, quantization=resolve_quantization(
+        cfg.quantization, quantization, dummy=True))
     tp, ep = tensor_parallel_size, expert_parallel_size
     weights = weight_bytes_per_device(cfg, dtype, tp, ep)
     usable = int(device_memory_bytes * gpu_memory_utilization)
@@ -95,9 +106,17 @@ def plan_memory(cfg: ModelConfig, *, dtype="bfloat16", tensor_parallel_size: int
     if num_pages < 1:
         raise ValueError(
             f"layout cannot fit: weights need {weights / 1e9:.1f} GB per device with "
-            f"tensor_parallel_size={tp} x expert_parallel_size={ep} in {np.dtype(dtype).name}, "
+            f"tensor_parallel_size={tp} x expert_parallel_size={ep} in "
+            f"{_weights_name(cfg, dtype)}, "
             f"but only {usable / 1e9:.1f} GB are usable (gpu_memory_utilization="
             f"{gpu_memory_utilization} of {device_memory_bytes / 1e9:.1f} GB); add devices "
             f"or use a smaller dtype")
     return MemoryPlan(tp, ep, int(device_memory_bytes), usable, weights, per_page,
-                      int(num_pages), block_size)
+                      int(num_pages), block_size, _weights_name(cfg, dtype))
+
+
+def _weights_name(cfg: ModelConfig, dtype) -> str:
+    """"bfloat16", or "fp8, rest bfloat16" for a quantised model."""
+    if cfg.quantization is None:
+        return np.dtype(dtype).name
+    return f"{cfg.quantization.method}, rest {np.dtype(dtype).name}"

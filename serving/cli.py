@@ -11,7 +11,7 @@ import argparse
 import sys
 import time
 
-from qwen_jax.options import PARAM_DTYPES
+from qwen_jax.options import PARAM_DTYPES, QUANTIZATION_METHODS
 
 
 # ---- convert ---------------------------------------------------------------------------
@@ -24,6 +24,9 @@ def _add_convert(subparsers) -> None:
     p.add_argument("--output", required=True, help="directory to write the orbax checkpoint to")
     p.add_argument("--dtype", default="float32", choices=PARAM_DTYPES,
                    help="parameter dtype of the saved checkpoint (default: float32)")
+    p.add_argument("--quantization", "-q", default=None, choices=QUANTIZATION_METHODS,
+                   help="save quantised weights: fp8 | int8 quantise a float checkpoint "
+                        "(fp8 / AWQ checkpoints stay quantised without it)")
     p.set_defaults(func=_run_convert)
 
 
@@ -35,13 +38,16 @@ def _run_convert(args) -> int:
     from qwen_jax.planner import param_count
 
     start = time.perf_counter()
-    model = Qwen3ForCausalLM.from_pretrained(args.model, args.dtype)
+    model = Qwen3ForCausalLM.from_pretrained(args.model, args.dtype,
+                                             quantization=args.quantization)
     source_dir = args.model if Path(args.model).is_dir() else None
     out = checkpoint.save(model, args.output, source_dir=source_dir)
     seconds = time.perf_counter() - start
     num_params = param_count(model.config)
+    quantization = model.config.quantization
+    weights = args.dtype if quantization is None else f"{quantization.method}, rest {args.dtype}"
     print(f"converted {args.model} -> {out}: {num_params:,} params ({num_params / 1e9:.2f} B), "
-          f"{args.dtype}, {seconds:.1f} s")
+          f"{weights}, {seconds:.1f} s")
     return 0
 
 
@@ -186,6 +192,8 @@ def _add_plan(subparsers) -> None:
                    help="memory of one device in GB (default: an H200's 141)")
     p.add_argument("--gpu-memory-utilization", type=float, default=0.9)
     p.add_argument("--block-size", type=int, default=16)
+    p.add_argument("--quantization", "-q", default=None, choices=QUANTIZATION_METHODS,
+                   help="weights in fp8 | int8 | awq (int4) (default: the checkpoint's)")
     p.set_defaults(func=_run_plan)
 
 
@@ -198,11 +206,11 @@ def _run_plan(args) -> int:
                            expert_parallel_size=args.expert_parallel_size,
                            device_memory_bytes=int(args.device_memory_gb * 1e9),
                            gpu_memory_utilization=args.gpu_memory_utilization,
-                           block_size=args.block_size)
+                           block_size=args.block_size, quantization=args.quantization)
     except ValueError as exc:
         print(f"error: {exc}", file=sys.stderr)
         return 1
-    print(f"{args.model} ({args.dtype}) {plan.summary()}")
+    print(f"{args.model} {plan.summary()}")
     return 0
 
 

@@ -4,7 +4,7 @@ from __future__ import annotations
 
 import argparse
 
-from qwen_jax.options import KV_CACHE_DTYPES, LOAD_FORMATS, PARAM_DTYPES
+from qwen_jax.options import KV_CACHE_DTYPES, LOAD_FORMATS, PARAM_DTYPES, QUANTIZATION_METHODS
 from serving.policies import POLICIES
 
 
@@ -25,6 +25,9 @@ def add_engine_args(parser: argparse.ArgumentParser) -> None:
     g.add_argument("--impl", default="auto", choices=("auto", "pallas", "reference"),
                    help="kernels: pallas on GPU, jnp reference elsewhere (auto)")
     g.add_argument("--load-format", default="auto", choices=LOAD_FORMATS)
+    g.add_argument("--quantization", "-q", default=None, choices=QUANTIZATION_METHODS,
+                   help="weights: fp8 / awq checkpoints load quantised without it; fp8 | int8 "
+                        "quantise a float checkpoint at load (presets: any)")
     g.add_argument("--seed", type=int, default=0)
     g.add_argument("--max-num-seqs", type=int, default=64)
     g.add_argument("--max-num-batched-tokens", type=int, default=512)
@@ -101,7 +104,7 @@ SCHEDULING_ARG_NAMES = (
     "watermark", "kv_plan_limit", "degrade_kv_usage", "degrade_after", "restore_kv_usage",
     "restore_after", "degraded_token_fraction", "swap_space", "swap_min_tokens")
 ENGINE_ARG_NAMES = (
-    "tokenizer", "dtype", "impl", "load_format", "seed", "max_num_seqs",
+    "tokenizer", "dtype", "impl", "load_format", "quantization", "seed", "max_num_seqs",
     "max_num_batched_tokens", "max_model_len", "block_size", "num_gpu_blocks_override",
     "gpu_memory_utilization", "kv_cache_dtype", "enable_prefix_caching",
     "max_waiting", "token_buckets", "seq_buckets", "compilation_cache_dir",

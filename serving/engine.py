@@ -55,7 +55,7 @@ class LLMEngine:
         self.mesh = self._make_mesh(devices)
         self.model = Qwen3ForCausalLM.from_pretrained(
             self.model_path, self._dtype(), impl=self._impl(), load_format=config.load_format,
-            seed=config.seed, mesh=self.mesh)
+            seed=config.seed, mesh=self.mesh, quantization=config.quantization)
         self.load_seconds = time.perf_counter() - started
         self.model_config = self.model.config
         self.tokenizer = self._load_tokenizer()

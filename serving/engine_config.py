@@ -5,7 +5,7 @@ from __future__ import annotations
 import dataclasses
 
 import pallas_kernels
-from qwen_jax.options import LOAD_FORMATS, PARAM_DTYPES
+from qwen_jax.options import LOAD_FORMATS, PARAM_DTYPES, QUANTIZATION_METHODS
 from qwen_jax.sharding import ParallelConfig
 from qwen_jax.validation import require
 from serving.config import CacheConfig, SchedulerConfig
@@ -23,6 +23,9 @@ class EngineConfig:
     dtype: str = "auto"  # auto: float32 on CPU, the checkpoint's dtype (bf16) on GPU
     impl: str = "auto"  # kernels: auto = pallas on GPU, reference elsewhere
     load_format: str = "auto"
+    # None: the checkpoint's own (fp8 / AWQ checkpoints load quantised); fp8 | int8:
+    # quantise a float checkpoint at load; must match a quantised checkpoint's method.
+    quantization: str | None = None
     seed: int = 0
     cache: CacheConfig = dataclasses.field(default_factory=CacheConfig)
     scheduler: SchedulerConfig = dataclasses.field(default_factory=SchedulerConfig)
@@ -36,3 +39,5 @@ class EngineConfig:
         require(self.impl in IMPLS, "impl", self.impl, f"one of {IMPLS}")
         require(self.load_format in LOAD_FORMATS, "load_format", self.load_format,
                 f"one of {LOAD_FORMATS}")
+        require(self.quantization in (None, *QUANTIZATION_METHODS), "quantization",
+                self.quantization, f"one of {QUANTIZATION_METHODS}, or None (the checkpoint's)")

@@ -1,6 +1,7 @@
 """Exact-match accuracy of a model on the held-out generated tasks, through `qwen_jax.LLM`.
 
-    python -m serving.eval_tasks [--n 500] [--model PATH] [--seed 0] [engine options]
+    python -m serving.eval_tasks [--n 500] [--model PATH] [--seed 0] [--quantization Q]
+        [engine options]
 
 Prompts use the chat template in thinking mode (its default): the model writes a think
 block (empty for the list and copy tasks, the sum's digits ones-first for addition) and
@@ -19,6 +20,7 @@ import sys
 from pathlib import Path
 
 from qwen_jax import tasks
+from qwen_jax.options import QUANTIZATION_METHODS
 from qwen_jax.weights import DEFAULT_MODEL_DIR
 from serving.llm import LLM
 from serving.reasoning import Qwen3ReasoningParser
@@ -80,6 +82,8 @@ def _engine_kwargs(args) -> dict:
     names = ("max_num_seqs", "max_num_batched_tokens", "max_model_len", "block_size",
              "num_gpu_blocks_override")
     kwargs = {name: getattr(args, name) for name in names if getattr(args, name) is not None}
+    if args.quantization is not None:
+        kwargs["quantization"] = args.quantization
     if args.enable_prefix_caching is not None:
         kwargs["enable_prefix_caching"] = args.enable_prefix_caching
     return kwargs
@@ -99,6 +103,9 @@ def main(argv=None) -> None:
                  "num-gpu-blocks-override"):
         ap.add_argument(f"--{name}", type=int, default=None)
     ap.add_argument("--enable-prefix-caching", action=argparse.BooleanOptionalAction, default=None)
+    ap.add_argument("--quantization", default=None, choices=QUANTIZATION_METHODS,
+                    help="fp8 | int8: quantise the model at load (fp8 / AWQ checkpoints load "
+                         "quantised without it)")
     args = ap.parse_args(argv)
     llm = LLM(model=args.model, **_engine_kwargs(args))
     if args.passes < 1:

@@ -65,14 +65,19 @@ def cuda_lowering_error() -> str | None:
 
 def abstract_runner(model: str = "qwen3-30b-a3b", *, dtype: str = "bfloat16",
                     impl: str = "pallas", kv_cache_dtype: str = "auto",
-                    max_model_len: int = 1280, page_size: int = 16, num_pages: int = 5200):
-    """A ModelRunner over ShapeDtypeStruct params and caches: no weights allocated."""
+                    max_model_len: int = 1280, page_size: int = 16, num_pages: int = 5200,
+                    quantization: str | None = None):
+    """A ModelRunner over ShapeDtypeStruct params and caches: no weights allocated.
+    quantization: fp8 | int8 | awq weights (as a checkpoint of that format holds them)."""
     from qwen_jax.config import ModelConfig
     from qwen_jax.model import Qwen3ForCausalLM
     from qwen_jax.params import abstract_model, resolve_kv_cache_dtype
+    from qwen_jax.quantization import resolve
     from serving.runner import ModelRunner
 
     cfg = ModelConfig.from_hf(model)
+    cfg = dataclasses.replace(cfg, quantization=resolve(cfg.quantization, quantization,
+                                                        dummy=True))
     abstract = abstract_model(cfg, dtype, impl=impl, model_cls=Qwen3ForCausalLM)
     kv_dtype = resolve_kv_cache_dtype(kv_cache_dtype, abstract.dtype)
     caches = jax.eval_shape(lambda: abstract.init_kv_caches(num_pages, page_size, kv_dtype))
@@ -318,7 +323,8 @@ def _type_key(t) -> tuple[tuple[int, ...], str]:
 
 
 _DTYPE_NAMES = {"bf16": "bfloat16", "f32": "float32", "f16": "float16", "i32": "int32",
-                "f8E4M3FN": "float8_e4m3fn", "f8E5M2": "float8_e5m2", "i8": "int8"}
+                "f8E4M3FN": "float8_e4m3fn", "f8E5M2": "float8_e5m2", "i8": "int8",
+                "ui8": "uint8"}
 
 
 

@@ -24,6 +24,15 @@ from jax.typing import ArrayLike
 from pallas_kernels.array_types import Array, Float, Int
 from pallas_kernels.grouped_matmul import tuning
 from pallas_kernels.grouped_matmul.plan import GroupPlan, group_ends_of, plan_groups
+from pallas_kernels.quantized import (
+    QuantizedWeight,
+    at,
+    check_operand,
+    choose_block_k,
+    operands,
+    weight_dot,
+    weight_finish,
+)
 
 _NO_ITEM = 2**30  # past any item id: pads the plan's vector load
 
@@ -47,15 +56,16 @@ def _locate(tiles_cum_ref, ends_ref, item, *, num_rows, block_m):
             jnp.where(used, end, 0), seg)
 
 
-def _grouped_matmul_kernel(*refs, block_m, block_k, block_n, num_rows, gather_lhs,
+def _grouped_matmul_kernel(*refs, layout, block_m, block_k, block_n, num_rows, gather_lhs,
                            scatter_out, precision):
     # tiles_cum_ref: int32[G+1]; ends_ref: int32[G]; layer_ref: int32[1]
     # lhs_rows_ref, out_rows_ref (optional): int32[M]; lhs_ref: [M', K]
-    # rhs_ref: [X, G, K, N]; out_ref: [M, N]
+    # rhs refs: values [X, G, K, N] (int4: [X, G, K/2, N]), then scales and zero points
+    # when quantised; out_ref: [M, N]
     tiles_cum_ref, ends_ref, layer_ref, *refs = refs
     lhs_rows_ref = refs.pop(0) if gather_lhs else None
     out_rows_ref = refs.pop(0) if scatter_out else None
-    lhs_ref, rhs_ref, out_ref = refs
+    lhs_ref, *rhs_refs, out_ref = refs
     item, col_block = pl.program_id(0), pl.program_id(1)
     num_groups, depth = ends_ref.shape[0], lhs_ref.shape[1]
     tile_start, start, end, group = _locate(tiles_cum_ref, ends_ref, item,
@@ -63,37 +73,38 @@ def _grouped_matmul_kernel(*refs, block_m, block_k, block_n, num_rows, gather_lh
     rows = tile_start + jnp.arange(block_m, dtype=jnp.int32)               # [bm]
     in_rows = rows < num_rows
     store_mask = ((rows >= start) & (rows < end))[:, None]
-    layer = layer_ref[0]
+    index = (layer_ref[0], group)
     cols = col_block * block_n + jnp.arange(block_n, dtype=jnp.int32)      # [bn]
+    col_slice = pl.ds(col_block * block_n, block_n)
     if gather_lhs:
         src = pltriton.load(lhs_rows_ref.at[rows], mask=in_rows, other=0)  # [bm]
 
-    def body(step, acc):
-        k_ids = step * block_k + jnp.arange(block_k, dtype=jnp.int32)      # [bk]
+    def load_lhs(k_start, size):
         # Rows of neighbouring groups are loaded and multiplied anyway (cheaper than
         # masking); only rows past the end must not be read.
         if gather_lhs:
-            lhs = pltriton.load(lhs_ref.at[src[:, None], k_ids[None, :]],
-                                mask=in_rows[:, None], other=0)            # [bm, bk]
-        else:
-            lhs = pltriton.load(lhs_ref.at[pl.ds(tile_start, block_m), pl.ds(
-                step * block_k, block_k)], mask=in_rows[:, None], other=0)
-        rhs = rhs_ref[layer, group, pl.ds(step * block_k, block_k),
-                      pl.ds(col_block * block_n, block_n)]                 # [bk, bn]
-        return acc + jax.lax.dot_general(
-            lhs, rhs.astype(lhs.dtype), (((1,), (0,)), ((), ())), precision=precision,
-            preferred_element_type=jnp.float32)                            # [bm, bn]
+            k_ids = k_start + jnp.arange(size, dtype=jnp.int32)            # [size]
+            return pltriton.load(lhs_ref.at[src[:, None], k_ids[None, :]],
+                                 mask=in_rows[:, None], other=0)           # [bm, size]
+        return pltriton.load(lhs_ref.at[pl.ds(tile_start, block_m), pl.ds(k_start, size)],
+                             mask=in_rows[:, None], other=0)
+
+    def body(step, acc):
+        return acc + weight_dot(load_lhs, rhs_refs, layout, index, step, block_k=block_k,
+                                col_slice=col_slice, cols=cols, col_mask=None, k_mask=None,
+                                precision=precision)                       # [bm, bn]
 
     num_steps = jnp.where(group < num_groups, depth // block_k, 0)
     acc = jax.lax.fori_loop(0, num_steps, body, jnp.zeros((block_m, block_n), jnp.float32))
+    acc = weight_finish(acc, rhs_refs, layout, (index[0], jnp.minimum(group, num_groups - 1)),
+                        cols=cols, col_mask=None)
     out = acc.astype(out_ref.dtype)
     if scatter_out:
         dst = pltriton.load(out_rows_ref.at[rows], mask=in_rows, other=0)  # [bm]
         pltriton.store(out_ref.at[dst[:, None], cols[None, :]], out, mask=store_mask)
     else:
-        pltriton.store(out_ref.at[pl.ds(tile_start, block_m), pl.ds(col_block * block_n,
-                                                                     block_n)],
-                       out, mask=store_mask)
+        pltriton.store(out_ref.at[pl.ds(tile_start, block_m), col_slice], out,
+                       mask=store_mask)
 
 
 def check_grouped_matmul_args(lhs, rhs, group_sizes, *, layer=None, lhs_rows=None,
@@ -101,6 +112,7 @@ def check_grouped_matmul_args(lhs, rhs, group_sizes, *, layer=None, lhs_rows=Non
     """Raises ValueError naming the argument, its shape and the expectation."""
     if lhs.ndim != 2:
         raise ValueError(f"lhs has shape {tuple(lhs.shape)}, expected [M, K]")
+    check_operand("rhs", rhs)
     expected_rank = 3 if layer is None else 4
     if rhs.ndim != expected_rank or rhs.shape[-2] != lhs.shape[1]:
         dims = "[G, K, N]" if layer is None else "[X, G, K, N] (stacked, with layer)"
@@ -136,12 +148,14 @@ def _check_blocks(block_m, block_k, block_n, depth, width):
 
 @functools.partial(jax.jit, static_argnames=(
     "interpret", "block_m", "block_k", "block_n", "num_warps", "num_stages"))
-def grouped_matmul(lhs: Float[ArrayLike, "Mlhs Din"], rhs: Float[ArrayLike, "*layers G Din Dout"],
+def grouped_matmul(lhs: Float[ArrayLike, "Mlhs Din"],
+                   rhs: Float[ArrayLike, "*layers G Din Dout"] | QuantizedWeight,
                    group_sizes: Int[ArrayLike, " G"] | None = None, *,
                    plan: GroupPlan | None = None, layer=None, lhs_rows=None, out_rows=None,
                    interpret=False, block_m=None, block_k=None, block_n=None, num_warps=None,
                    num_stages=None) -> Float[Array, "M Dout"]:
-    """lhs [M, K] (rows sorted by group) times rhs [G, K, N] per group -> [M, N].
+    """lhs [M, K] (rows sorted by group) times rhs [G, K, N] per group -> [M, N]; rhs may
+    be a `QuantizedWeight` (read in place, dequantised in registers).
 
     Same contract as `grouped_matmul_reference` (jax.lax.ragged_dot): fp32
     accumulation, output in lhs's dtype, rows past the last group are zero. Options:
@@ -161,18 +175,19 @@ def grouped_matmul(lhs: Float[ArrayLike, "Mlhs Din"], rhs: Float[ArrayLike, "*la
             raise ValueError(f"block_m is {block_m}, expected the plan's {plan.block_m}")
         block_m = plan.block_m
     block_m = block_m or blocks.block_m
-    block_k = block_k or blocks.block_k
+    block_k = choose_block_k(block_k, blocks.block_k, (rhs,))
     block_n = block_n or blocks.block_n
     _check_blocks(block_m, block_k, block_n, depth, width)
     if plan is None:
         plan = plan_groups(group_ends_of(group_sizes, num_rows), num_rows=num_rows,
                            block_m=block_m)
-    rhs4 = rhs[None] if layer is None else rhs                              # [X, G, K, N]
+    rhs4 = at(rhs, None) if layer is None else rhs                         # [X, G, K, N]
+    arrays, layout = operands(rhs4)
     layer_arr = jnp.reshape(jnp.asarray(0 if layer is None else layer, jnp.int32), (1,))
     precision = (jax.lax.Precision.HIGHEST if lhs.dtype == jnp.float32
                  else jax.lax.Precision.DEFAULT)
     kernel = functools.partial(
-        _grouped_matmul_kernel, block_m=block_m, block_k=block_k, block_n=block_n,
+        _grouped_matmul_kernel, layout=layout, block_m=block_m, block_k=block_k, block_n=block_n,
         num_rows=num_rows, gather_lhs=lhs_rows is not None,
         scatter_out=out_rows is not None, precision=precision)
     row_maps = [r.astype(jnp.int32) for r in (lhs_rows, out_rows) if r is not None]
@@ -185,4 +200,4 @@ def grouped_matmul(lhs: Float[ArrayLike, "Mlhs Din"], rhs: Float[ArrayLike, "*la
             num_stages=num_stages or blocks.num_stages),
         interpret=interpret,
         name="grouped_matmul",
-    )(plan.tiles_cum, plan.ends, layer_arr, *row_maps, lhs, rhs4)
+    )(plan.tiles_cum, plan.ends, layer_arr, *row_maps, lhs, *arrays)

@@ -5,6 +5,7 @@ import jax.numpy as jnp
 from jax.typing import ArrayLike
 
 from pallas_kernels.array_types import Array, Float, Int
+from pallas_kernels.quantized import at, dequantize
 
 
 def grouped_matmul_reference(lhs: Float[ArrayLike, "Mlhs Din"],
@@ -16,14 +17,16 @@ def grouped_matmul_reference(lhs: Float[ArrayLike, "Mlhs Din"],
 
     Rows past sum(group_sizes) are zero. `plan` may replace group_sizes; `layer` picks
     rhs[layer] of a stacked [X, G, K, N]; `lhs_rows` reads lhs[lhs_rows]; `out_rows`
-    stores row r at out_rows[r] (see the kernel). `interpret` and `block_sizes` are
-    accepted only so it can stand in for the kernel.
+    stores row r at out_rows[r] (see the kernel). A quantised rhs (`QuantizedWeight`) is
+    dequantised to lhs's dtype first. `interpret` and `block_sizes` are accepted only so
+    it can stand in for the kernel.
     """
     del interpret, block_sizes
     if group_sizes is None:
         group_sizes = plan.group_sizes
     if layer is not None:
-        rhs = rhs[layer]
+        rhs = at(rhs, layer)
+    rhs = dequantize(rhs, lhs.dtype)
     if lhs_rows is not None:
         lhs = lhs[lhs_rows]
     out = jax.lax.ragged_dot(lhs, rhs, group_sizes.astype(jnp.int32),

@@ -56,3 +56,18 @@ def test_a_stage_past_its_timeout_leaves_one_line_and_the_next_stage_runs(tmp_pa
         {"stage": "check", "error": "timeout", "timeout_s": 0.5, "t": rows[1]["t"]}]
     assert len([r for r in rows if r["stage"] == "attention"]) == 3
     assert rows[-1]["stage"] == "done"
+
+
+def test_dry_run_with_quantised_weights_and_formats_of_the_grouped_matmul(tmp_path):
+    rows = run_probe(tmp_path, "--stages", "matmul,engine,offline", "--quantization", "fp8",
+                     "--concurrency", "1")
+    assert not [r for r in rows if "error" in r]
+    grouped = [r for r in rows if r.get("part") == "grouped_matmul" and r["impl"] == "pallas"]
+    decode = {r["format"] for r in grouped if "decode" in r["name"]}
+    assert decode == {"bf16", "fp8", "int4"}
+    for row in grouped:
+        if row["format"] != "bf16":
+            assert row["rel_err"] < 2e-2 and row["vs_bf16"] > 0
+    engine = [r for r in rows if r["stage"] == "engine"][0]
+    assert engine["quantization"] == "fp8" and engine["weight_gb"] > 0
+    assert [r["quantization"] for r in rows if r["stage"] == "offline"] == ["fp8"]

@@ -71,3 +71,21 @@ def test_fp8_cache_step_lowers_with_the_kernels(kv_cache_dtype, stored):
     assert f"tensor<249600x16x4x128x{stored}>" in text  # the donated cache
     assert text.count("xla.gpu.triton(") == 7
     _check_weights_read_whole(step_hlo.weight_reads(fp8, (8, 4)))
+
+
+@pytest.mark.parametrize("quantization,stored", [
+    ("fp8", "float8_e4m3fn"), ("int8", "int8"), ("awq", "uint8")])
+def test_quantized_weights_enter_the_kernels_whole(quantization, stored):
+    # Qwen3-30B-A3B with every projection and expert quantised as that format's checkpoint
+    # holds them: the stored values, scales and zero points reach the kernels whole (no
+    # per-layer slice, no dequantised copy), and the layer keeps its op count.
+    runner = step_hlo.abstract_runner("qwen3-30b-a3b", impl="pallas", quantization=quantization)
+    reads = step_hlo.weight_reads(runner, (8, 4))
+    _check_weights_read_whole(reads)
+    quantized = {w for w in reads["whole"] if w[1] == stored}
+    assert {(48, 128, 2048 // (2 if stored == "uint8" else 1), 2, 768),
+            (48, 128, 768 // (2 if stored == "uint8" else 1), 2048)} <= {w[0] for w in quantized}
+    assert any(w[0][:3] == (48, 128, 16 if quantization != "int8" else 1) for w in reads["whole"])
+    summary = step_hlo.summary(runner, (8, 4))
+    assert summary["per_layer_heavy"][0] <= PER_LAYER_CEILING, summary
+    assert "dot_general" not in summary["per_layer_heavy_by_op"][0]

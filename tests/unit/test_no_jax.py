@@ -7,7 +7,8 @@ MODULES = ["serving.request", "serving.page_pool", "serving.kv_cache_manager",
            "serving.scheduler", "serving.buckets", "serving.batch", "serving.config",
            "serving.reasoning", "serving.detokenizer", "serving.output_processor",
            "serving.step_cost", "serving.http_policy", "serving.policies",
-           "serving.degradation", "serving.swap", "qwen_jax.options", "qwen_jax.validation"]
+           "serving.degradation", "serving.swap", "qwen_jax.options", "qwen_jax.validation",
+           "qwen_jax.quantization"]
 
 
 def test_core_modules_do_not_import_jax():
