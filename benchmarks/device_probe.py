@@ -172,8 +172,7 @@ def utilisation(engine, steps, shapes, decode_tokens):
     import numpy as np
 
     from serving.step_cost import CostModel, device_peak
-    model = CostModel(engine.model_config, np.dtype(engine.model.dtype).itemsize,
-                      np.dtype(engine.kv_cache_dtype).itemsize)
+    model = CostModel.for_engine(engine)
     peak = device_peak(engine.devices[0].device_kind)
     out = {"peak": peak.name if peak else None}
     for kind, chosen in (("decode", lambda t: t <= decode_tokens),

@@ -82,6 +82,18 @@ class Quantization:
             return WeightFormat(kind="int8")
         return WeightFormat(kind="int4", group_k=self.group_size)
 
+    @property
+    def bytes_per_weight(self) -> float:
+        """Stored bytes per quantised weight element, its share of scales and zero points
+        included: fp8 1 + 4 / block area, int8 1 (one fp32 scale per output channel is
+        negligible), AWQ int4 1/2 + (2 + 1) / group_size (fp16 scale, uint8 zero point)."""
+        if self.method == "fp8":
+            block_n, block_k = self.weight_block_size
+            return 1.0 + 4.0 / (block_n * block_k)
+        if self.method == "int8":
+            return 1.0
+        return 0.5 + 3.0 / self.group_size
+
     def converts(self, module: str) -> bool:
         """Whether `module` (an HF module name) is quantised: not listed, as a run of its
         dot-separated parts, in modules_to_not_convert ("mlp.gate" matches

@@ -319,10 +319,8 @@ class RequestTracker:
 def metrics_for(llm, model_name: str, prefix: str = OWN) -> Metrics:
     """The metrics of a server over `llm` (an AsyncLLM): its engine's cost model and
     devices, and NVML's gauges when NVML answers."""
-    import numpy as np
     engine = llm.engine
-    cost = CostModel(engine.model_config, np.dtype(engine.model.dtype).itemsize,
-                     np.dtype(engine.kv_cache_dtype).itemsize)
+    cost = CostModel.for_engine(engine)
     devices = engine.devices
     metrics = Metrics(llm, model_name, prefix=prefix, max_model_len=engine.max_model_len,
                       cost_model=cost, peak=device_peak(devices[0].device_kind),

@@ -8,7 +8,8 @@ is routed to, and the lm head on each scheduled sequence's last row. Elementwise
 (norms, RoPE, softmax, SiLU) is left out, as in PaLM's MFU.
 
 Bytes are what the step must read and write in device memory at the least: every weight it
-touches once (the routed experts only; the embedding rows of the step's tokens), each
+touches once (the routed experts only; the embedding rows of the step's tokens; quantised
+projections and experts at their stored bytes, scales included), each
 sequence's KV context read once per layer, and the new tokens' K/V written. Activations
 are not counted. Under tensor parallelism the few replicated weights (norms, router) count
 once, so the figure is a floor per replica.
@@ -83,11 +84,21 @@ def expected_experts_touched(num_tokens: int, num_experts: int, top_k: int) -> f
 @dataclasses.dataclass(frozen=True)
 class CostModel:
     """FLOPs and bytes of a step of one model, weights in `param_bytes`-byte elements and
-    the KV cache in `kv_bytes`-byte elements."""
+    the KV cache in `kv_bytes`-byte elements. A quantised model (`config.quantization`)
+    stores its projections and experts at the quantisation's bytes per weight; norms,
+    router, embeddings and lm head stay in `param_bytes` (its modules_to_not_convert are
+    not looked at: they are the router and norms in Qwen's checkpoints)."""
 
     config: ModelConfig
     param_bytes: int
     kv_bytes: int
+
+    @classmethod
+    def for_engine(cls, engine) -> "CostModel":
+        """The cost model of an LLMEngine: its weights' and KV cache's dtypes."""
+        import numpy as np
+        return cls(engine.model_config, np.dtype(engine.model.dtype).itemsize,
+                   np.dtype(engine.kv_cache_dtype).itemsize)
 
     @property
     def _num_moe_layers(self) -> int:
@@ -120,6 +131,13 @@ class CostModel:
                         experts_touched: Sequence[float] | None = None) -> float:
         """Weight elements the step reads; `experts_touched` (one count per MoE layer)
         replaces the uniform-routing expectation where the counts are known."""
+        linear, other = self._weight_elements(shape, experts_touched)
+        return linear + other
+
+    def _weight_elements(self, shape: StepShape, experts_touched: Sequence[float] | None
+                         ) -> tuple[float, float]:
+        """(elements of the projections and experts a quantisation stores quantised, the
+        rest: norms, router, embedding rows, lm head)."""
         c = self.config
         d, t = c.hidden_size, shape.num_tokens
         num_moe = self._num_moe_layers
@@ -129,13 +147,24 @@ class CostModel:
         elif len(experts_touched) != num_moe:
             raise ValueError(f"experts_touched has {len(experts_touched)} counts; the model "
                              f"has {num_moe} MoE layers")
-        dense_mlp = 3 * d * c.intermediate_size
-        expert = 3 * d * c.moe_intermediate_size
-        layers = (c.num_hidden_layers * self._attention_weights()
-                  + (c.num_hidden_layers - num_moe) * dense_mlp
-                  + num_moe * d * c.num_experts + expert * sum(experts_touched))
+        q, kv = c.num_attention_heads * c.head_dim, c.num_key_value_heads * c.head_dim
+        projections = d * (q + 2 * kv) + q * d
+        linear = (c.num_hidden_layers * projections
+                  + (c.num_hidden_layers - num_moe) * 3 * d * c.intermediate_size
+                  + 3 * d * c.moe_intermediate_size * sum(experts_touched))
+        attention_rest = self._attention_weights() - projections
         embedding_rows = t * d  # the rows of this step's tokens; the lm head reads it all
-        return layers + embedding_rows + d + d * c.vocab_size  # + final norm, lm head
+        other = (c.num_hidden_layers * attention_rest + num_moe * d * c.num_experts
+                 + embedding_rows + d + d * c.vocab_size)  # + final norm, lm head
+        return linear, other
+
+    def weight_bytes(self, shape: StepShape,
+                     experts_touched: Sequence[float] | None = None) -> float:
+        linear, other = self._weight_elements(shape, experts_touched)
+        quantization = self.config.quantization
+        linear_bytes = (self.param_bytes if quantization is None
+                        else quantization.bytes_per_weight)
+        return linear * linear_bytes + other * self.param_bytes
 
     def kv_bytes_per_token(self) -> int:
         """K and V of one token in every layer."""
@@ -146,8 +175,7 @@ class CostModel:
              ) -> StepCost:
         per_token = self.kv_bytes_per_token()
         return StepCost(flops=self.flops(shape),
-                        weight_bytes=self.weight_elements(shape, experts_touched)
-                        * self.param_bytes,
+                        weight_bytes=self.weight_bytes(shape, experts_touched),
                         kv_read_bytes=sum(shape.context_lens) * per_token,
                         kv_write_bytes=shape.num_tokens * per_token)
 

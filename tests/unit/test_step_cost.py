@@ -105,3 +105,17 @@ def test_peaks_are_found_by_device_kind(kind, name, bf16, bandwidth):
 
 def test_a_cpu_has_no_peak():
     assert device_peak("cpu") is None
+
+
+@pytest.mark.parametrize("method, per_weight", [("fp8", 1 + 4 / (128 * 128)), ("int8", 1.0),
+                                                ("awq", 0.5 + 3 / 128)])
+def test_quantised_projections_and_experts_count_their_stored_bytes(method, per_weight):
+    import dataclasses
+
+    from qwen_jax.quantization import Quantization
+    quantised = dataclasses.replace(TINY, quantization=Quantization(method=method))
+    linear = 4 * (128 * 256 + 128 * 128) + 3 * 128 * 256 + 201_600  # projections, MLP, experts
+    other = 591_616 - linear  # norms, router, embedding rows, lm head: still bf16
+    cost = CostModel(quantised, param_bytes=2, kv_bytes=2).cost(SHAPE)
+    assert cost.weight_bytes == pytest.approx(linear * per_weight + other * 2)
+    assert CostModel(TINY, 2, 2).cost(SHAPE).weight_bytes == 2 * 591_616
