@@ -4,10 +4,10 @@
 # max-concurrency 1 (batch-1 decode), 8 and 64; compare with the batch-1 roofline and
 # vLLM's published H100 figures.
 #   benchmarks/device_e2e.sh OUTDIR
-# Writes OUTDIR/{env.txt,pip.log,server.log,health.txt,bench_c<C>.{json,log},metrics.txt,
+# Writes OUTDIR/{env.txt,server.log,health.txt,bench_c<C>.{json,log},metrics.txt,
 #                summary.json,summary.txt}.
-# DRY_RUN=1 runs it on a CPU with a tiny dummy model and small lengths (SKIP_INSTALL=1 to
-# keep the current install). SERVER_CMD="..." benchmarks another server listening on
+# Run from anywhere with the repo's own checkout (PYTHONPATH is set, nothing installed).
+# DRY_RUN=1 runs it on a CPU with a tiny dummy model and small lengths. SERVER_CMD="..." benchmarks another server listening on
 # $PORT instead (e.g. vLLM on the same GPU, for a side-by-side).
 set -uo pipefail
 
@@ -65,9 +65,9 @@ if [ "$backend" != "gpu" ] && [ "$DRY_RUN" != "1" ] && [ -z "${SERVER_CMD:-}" ];
   exit 1
 fi
 
-if [ "${SKIP_INSTALL:-0}" != "1" ]; then
-  "$PY" -m pip install --no-deps -e . > "$OUT/pip.log" 2>&1 || { echo "pip install failed"; status=1; }
-fi
+# Nothing is installed: the GPU image has the dependencies but no network, and an editable
+# install would fetch setuptools for its isolated build. The repo root goes on the path.
+export PYTHONPATH="$PWD${PYTHONPATH:+:$PYTHONPATH}"
 
 # ---- server ----------------------------------------------------------------------------
 if [ -n "${SERVER_CMD:-}" ]; then

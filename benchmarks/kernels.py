@@ -1,15 +1,27 @@
-"""Kernel benchmarks on Qwen3-30B-A3B shapes, each side by side with its reference path.
+"""Kernel checks and timings at Qwen3-30B-A3B shapes, one JSON line per result, printed
+(and appended to --out) the moment it is measured, so a run cut short keeps its figures.
 
-Prints one JSON object: achieved HBM GB/s for decode attention and the KV page write,
-TFLOP/s for prefill attention and the expert grouped matmul (plus ragged_dot and a dense
-matmul of the same FLOPs). Off GPU it runs tiny shapes with the kernels interpreted, only
-to prove the script works: those numbers mean nothing.
+- check: each kernel against its jnp reference (relative error, bf16 tolerance 2e-2)
+- attention: decode HBM GB/s over the KV bytes read at 1 / 8 / 64 sequences of 1k
+  context; prefill TFLOP/s of a 2k-token chunk
+- grouped matmul (the MoE call form: rows read through lhs_rows, stacked weights):
+  GB/s over the weights of the experts actually touched at 1 / 8 / 64 decode tokens and
+  a 2k prefill, TFLOP/s over the real rows; jax.lax.ragged_dot beside it only up to
+  512 rows (XLA computes every group densely: seconds per call at 16k rows); the decode
+  cases also with fp8 (128 x 128 blocks) and int4 (AWQ, groups of 128) expert weights:
+  GB/s over their stored bytes, `vs_bf16` the speed-up, `rel_err` against the reference
+- stacked matmul (q/k/v in one launch, o_proj): weight GB/s at decode, TFLOP/s at prefill
+- KV page write: GB/s over the rows written
 
-    python benchmarks/kernels.py [--small] [--out FILE]
+Off GPU the kernels run interpreted on tiny shapes (`--small`), only to prove the
+script works: those numbers mean nothing.
+
+    python benchmarks/kernels.py [--small] [--out FILE] [--parts check,attention,...]
 """
 
 import argparse
 import dataclasses
+import functools
 import json
 import sys
 import time
@@ -18,8 +30,18 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 
-from pallas_kernels import (grouped_matmul, grouped_matmul_reference, ragged_paged_attention,
-                            ragged_paged_attention_reference, write_kv_pages)
+from pallas_kernels import (
+    grouped_matmul,
+    grouped_matmul_reference,
+    plan_groups,
+    ragged_paged_attention,
+    ragged_paged_attention_reference,
+    stacked_matmul,
+    stacked_matmul_reference,
+    write_kv_pages,
+)
+from pallas_kernels.grouped_matmul import tuning as gmm_tuning
+from pallas_kernels.quantized import QuantizedWeight, quantize
 
 
 @dataclasses.dataclass(frozen=True, kw_only=True)
@@ -28,20 +50,24 @@ class Shapes:
     num_kv_heads: int = 4
     head_dim: int = 128
     page_size: int = 16
-    decode_batch: int = 64
-    decode_context: int = 2048
-    prefill_seqs: int = 4
-    prefill_len: int = 2048
+    context: int = 1024
+    decode_seqs: tuple = (1, 8, 64)
+    prefill_tokens: int = 2048
     num_experts: int = 128
+    top_k: int = 8
     hidden: int = 2048
     expert_ffn: int = 768
-    routed_rows: int = 8192  # 1024 tokens x top-8
+    token_buckets: tuple = (8, 8, 64)  # the step's bucket for 1 / 8 / 64 decode tokens
     iters: int = 20
+    ragged_dot_max_rows: int = 512
+    weight_formats: tuple = ("bf16", "fp8", "int4")  # expert weights of the decode cases
+    int4_group: int = 128  # AWQ's group_size
 
 
-SMALL = Shapes(num_q_heads=8, num_kv_heads=2, head_dim=64, decode_batch=4,
-               decode_context=64, prefill_seqs=2, prefill_len=32, num_experts=8,
-               hidden=64, expert_ffn=32, routed_rows=128, iters=2)
+SMALL = Shapes(num_q_heads=8, num_kv_heads=2, head_dim=64, context=64, decode_seqs=(1, 4),
+               prefill_tokens=32, num_experts=8, top_k=2, hidden=64, expert_ffn=32,
+               token_buckets=(8, 8), iters=2, int4_group=32)
+TOLERANCE = 2e-2  # bf16
 
 
 def timed(fn, *args, iters):
@@ -54,97 +80,162 @@ def timed(fn, *args, iters):
     return (time.perf_counter() - start) / iters
 
 
-def paged_cache(rng, shapes, *, num_seqs, context):
-    """Random bf16 pages with each sequence's pages scattered over the cache."""
+def rel_err(out, expected):
+    out, expected = (np.asarray(a, np.float32) for a in (out, expected))
+    return float(np.linalg.norm(out - expected) / max(np.linalg.norm(expected), 1e-30))
+
+
+def attention_case(rng, shapes, *, num_seqs, q_len, context, kv_dtype=jnp.bfloat16):
+    """bf16 queries; pages of each sequence scattered over the cache (page 0 unused)."""
     pages_per_seq = -(-context // shapes.page_size)
     num_pages = num_seqs * pages_per_seq + 1
     shape = (num_pages, shapes.page_size, shapes.num_kv_heads, shapes.head_dim)
-    k_pages = jnp.asarray(rng.standard_normal(shape), jnp.bfloat16)
-    v_pages = jnp.asarray(rng.standard_normal(shape), jnp.bfloat16)
-    page_table = rng.permutation(num_pages)[:num_seqs * pages_per_seq]
-    return k_pages, v_pages, jnp.asarray(page_table.reshape(num_seqs, -1), jnp.int32)
-
-
-def attention_args(rng, shapes, *, num_seqs, q_len, context):
-    k_pages, v_pages, page_table = paged_cache(rng, shapes, num_seqs=num_seqs,
-                                               context=context)
+    pages = [jnp.asarray(rng.standard_normal(shape), kv_dtype) for _ in range(2)]
+    table = 1 + rng.permutation(num_pages - 1)[:num_seqs * pages_per_seq]
     q = jnp.asarray(rng.standard_normal((num_seqs * q_len, shapes.num_q_heads,
                                          shapes.head_dim)), jnp.bfloat16)
-    kv_lens = jnp.full((num_seqs,), context, jnp.int32)
-    query_start = jnp.arange(num_seqs + 1, dtype=jnp.int32) * q_len
-    return q, k_pages, v_pages, kv_lens, page_table, query_start, jnp.int32(num_seqs)
+    return (q, *pages, jnp.full((num_seqs,), context, jnp.int32),
+            jnp.asarray(table.reshape(num_seqs, -1), jnp.int32),
+            jnp.arange(num_seqs + 1, dtype=jnp.int32) * q_len, jnp.int32(num_seqs))
 
 
-def bench_attention(rng, shapes, interpret):
-    """Decode: HBM GB/s over the KV bytes read; prefill: causal TFLOP/s."""
+def moe_case(rng, shapes, num_tokens, bucket):
+    """Top-k routing of num_tokens real tokens in a bucket of `bucket` tokens: the step's
+    gate/up call (rows read through lhs_rows). Returns (args, kwargs, experts touched)."""
+    top_k, num_experts = shapes.top_k, shapes.num_experts
+    ids = np.full((bucket, top_k), num_experts)  # padding tokens: past every expert
+    ids[:num_tokens] = np.argsort(rng.random((num_tokens, num_experts)), axis=1)[:, :top_k]
+    flat = ids.reshape(-1)
+    order = np.argsort(flat, kind="stable").astype(np.int32)
+    ends = (flat[:, None] <= np.arange(num_experts)[None, :]).sum(0).astype(np.int32)
+    rows = len(flat)
+    plan = plan_groups(jnp.asarray(ends), num_rows=rows,
+                       block_m=gmm_tuning.block_m_for(num_rows=rows, num_groups=num_experts))
+    x = jnp.asarray(rng.standard_normal((bucket, shapes.hidden)), jnp.bfloat16)
+    w = jnp.asarray(rng.standard_normal((1, num_experts, shapes.hidden, 2 * shapes.expert_ffn))
+                    / 32, jnp.bfloat16)
+    kwargs = dict(plan=plan, layer=jnp.int32(0), lhs_rows=jnp.asarray(order // top_k))
+    return (x, w), kwargs, int(len(set(flat[flat < num_experts])))
+
+
+def checks(rng, shapes, interpret):
+    """Each kernel against its reference on the device."""
+    sm_scale = shapes.head_dim ** -0.5
+    for name, num_seqs, q_len, kv_dtype in (("attention_decode", 3, 1, jnp.bfloat16),
+                                            ("attention_decode_fp8", 3, 1, jnp.float8_e4m3fn),
+                                            ("attention_prefill", 2, 48, jnp.bfloat16)):
+        args = attention_case(rng, shapes, num_seqs=num_seqs, q_len=q_len,
+                              context=min(200, shapes.context), kv_dtype=kv_dtype)
+        scales = {}
+        if kv_dtype != jnp.bfloat16:
+            ones = jnp.ones((shapes.num_kv_heads,), jnp.float32)
+            scales = dict(k_scale=ones, v_scale=ones)
+        out = jax.jit(functools.partial(ragged_paged_attention, sm_scale=sm_scale, **scales,
+                                        interpret=interpret))(*args)
+        ref = jax.jit(functools.partial(ragged_paged_attention_reference, sm_scale=sm_scale,
+                                        **scales))(*args)
+        yield _check(name, out, ref)
+    (x, w), kwargs, _ = moe_case(rng, shapes, 5, 8)
+    out = grouped_matmul(x, w, interpret=interpret, **kwargs)
+    yield _check("grouped_matmul_moe", out, grouped_matmul_reference(x, w, **kwargs))
+    x = jnp.asarray(rng.standard_normal((24, shapes.hidden)), jnp.bfloat16)
+    ws = tuple(jnp.asarray(rng.standard_normal((2, shapes.hidden, n)) / 32, jnp.bfloat16)
+               for n in (shapes.num_q_heads * shapes.head_dim,
+                         shapes.num_kv_heads * shapes.head_dim))
+    out = stacked_matmul(x, ws, jnp.int32(1), interpret=interpret)
+    yield _check("stacked_matmul", out, stacked_matmul_reference(x, ws, jnp.int32(1)))
+
+
+def _check(name, out, ref):
+    err = rel_err(out, ref)
+    return {"part": "check", "name": name, "rel_err": err, "ok": err < TOLERANCE}
+
+
+def attention(rng, shapes, interpret):
     sm_scale = shapes.head_dim ** -0.5
     kernel = jax.jit(lambda *a: ragged_paged_attention(*a, sm_scale=sm_scale,
                                                        interpret=interpret))
-    reference = jax.jit(lambda *a: ragged_paged_attention_reference(*a, sm_scale=sm_scale))
-    results = {}
-    args = attention_args(rng, shapes, num_seqs=shapes.decode_batch, q_len=1,
-                          context=shapes.decode_context)
-    kv_bytes = 2 * 2 * shapes.decode_batch * shapes.decode_context * shapes.num_kv_heads \
-        * shapes.head_dim
-    for name, fn in (("pallas", kernel), ("reference", reference)):
-        seconds = timed(fn, *args, iters=shapes.iters)
-        results[f"decode_{name}"] = {"ms": seconds * 1e3, "hbm_gbps": kv_bytes / seconds / 1e9}
-    args = attention_args(rng, shapes, num_seqs=shapes.prefill_seqs, q_len=shapes.prefill_len,
-                          context=shapes.prefill_len)
-    # Two matmuls (QK^T, PV) of 2 flops per MAC over the causally visible keys.
-    visible = shapes.prefill_seqs * shapes.prefill_len * (shapes.prefill_len + 1) / 2
-    flops = 4 * visible * shapes.num_q_heads * shapes.head_dim
-    for name, fn in (("pallas", kernel), ("reference", reference)):
-        seconds = timed(fn, *args, iters=max(1, shapes.iters // 4))
-        results[f"prefill_{name}"] = {"ms": seconds * 1e3, "tflops": flops / seconds / 1e12}
-    return results
+    for num_seqs in shapes.decode_seqs:
+        args = attention_case(rng, shapes, num_seqs=num_seqs, q_len=1, context=shapes.context)
+        seconds = timed(kernel, *args, iters=shapes.iters)
+        kv_bytes = 2 * 2 * num_seqs * shapes.context * shapes.num_kv_heads * shapes.head_dim
+        yield {"part": "attention", "name": f"decode_s{num_seqs}_ctx{shapes.context}",
+               "ms": seconds * 1e3, "hbm_gbps": kv_bytes / seconds / 1e9}
+    n = shapes.prefill_tokens
+    args = attention_case(rng, shapes, num_seqs=1, q_len=n, context=n)
+    seconds = timed(kernel, *args, iters=max(1, shapes.iters // 4))
+    flops = 4 * n * (n + 1) / 2 * shapes.num_q_heads * shapes.head_dim  # QK^T, PV, causal
+    yield {"part": "attention", "name": f"prefill_{n}", "ms": seconds * 1e3,
+           "tflops": flops / seconds / 1e12}
 
 
-def routed_group_sizes(rng, shapes):
-    """Expert row counts of random top-k routing (each token picks distinct experts)."""
-    top_k = 8 if shapes.num_experts >= 8 else 1
-    num_tokens = shapes.routed_rows // top_k
-    choices = np.argsort(rng.random((num_tokens, shapes.num_experts)), axis=1)[:, :top_k]
-    return jnp.asarray(np.bincount(choices.ravel(), minlength=shapes.num_experts), jnp.int32)
+def expert_weights(w, fmt, shapes):
+    """The bf16 expert stack [1, E, D, 2F] as a format the step can hold it in."""
+    if fmt == "bf16":
+        return w
+    if fmt == "fp8":  # Qwen's FP8 checkpoints: 128 x 128 blocks
+        return quantize(w, "fp8", group_k=128, group_n=128)
+    return quantize(w, "int4", group_k=shapes.int4_group)  # AWQ
 
 
-def bench_grouped_matmul(rng, shapes, interpret):
-    """Expert gate/up and down projections: TFLOP/s, and GB/s over the weights read."""
-    sizes = routed_group_sizes(rng, shapes)
-    kernel = jax.jit(lambda *a: grouped_matmul(*a, interpret=interpret))
-    reference = jax.jit(grouped_matmul_reference)
-    dense = jax.jit(lambda lhs, rhs: jnp.dot(lhs, rhs, preferred_element_type=jnp.float32
-                                             ).astype(lhs.dtype))
-    results = {}
-    for proj, depth, width in (("gate_up", shapes.hidden, 2 * shapes.expert_ffn),
-                               ("down", shapes.expert_ffn, shapes.hidden)):
-        lhs = jnp.asarray(rng.standard_normal((shapes.routed_rows, depth)), jnp.bfloat16)
-        rhs = jnp.asarray(rng.standard_normal((shapes.num_experts, depth, width)) / 32,
-                          jnp.bfloat16)
-        flops = 2 * shapes.routed_rows * depth * width
-        weight_bytes = 2 * rhs.size
-        for name, fn, args in (("pallas", kernel, (lhs, rhs, sizes)),
-                               ("ragged_dot", reference, (lhs, rhs, sizes)),
-                               ("dense_same_flops", dense, (lhs, rhs[0]))):
-            seconds = timed(fn, *args, iters=shapes.iters)
-            entry = {"ms": seconds * 1e3, "tflops": flops / seconds / 1e12}
-            if name != "dense_same_flops":
-                entry["weight_gbps"] = weight_bytes / seconds / 1e9
-            results[f"{proj}_{name}"] = entry
-        results[f"{proj}_pallas_vs_ragged_dot"] = (
-            results[f"{proj}_ragged_dot"]["ms"] / results[f"{proj}_pallas"]["ms"])
-        results[f"{proj}_pallas_vs_dense"] = (
-            results[f"{proj}_dense_same_flops"]["ms"] / results[f"{proj}_pallas"]["ms"])
-    return results
+def moe_matmul(rng, shapes, interpret):
+    """Decode cases in every weight format (bf16, fp8, int4: GB/s over the stored bytes
+    of the touched experts, the speed-up over bf16 in the same run, the error against the
+    reference); the prefill case in bf16."""
+    cases = [(f"decode_{t}", t, b) for t, b in zip(shapes.decode_seqs, shapes.token_buckets)]
+    cases.append((f"prefill_{shapes.prefill_tokens}", shapes.prefill_tokens,
+                  shapes.prefill_tokens))
+    kernel = jax.jit(lambda x, w, kw: grouped_matmul(x, w, interpret=interpret, **kw))
+    reference = jax.jit(lambda x, w, kw: grouped_matmul_reference(x, w, **kw))
+    for name, tokens, bucket in cases:
+        (x, w_bf16), kwargs, touched = moe_case(rng, shapes, tokens, bucket)
+        rows = bucket * shapes.top_k
+        flops = 2 * tokens * shapes.top_k * w_bf16.shape[2] * w_bf16.shape[3]
+        bf16_seconds = None
+        for fmt in shapes.weight_formats if name.startswith("decode") else ("bf16",):
+            w = expert_weights(w_bf16, fmt, shapes)
+            stored = w.nbytes if isinstance(w, QuantizedWeight) else w.size * 2
+            weight_bytes = touched * stored // shapes.num_experts
+            impls = [("pallas", kernel)] + ([("ragged_dot", reference)] if fmt == "bf16"
+                                            and rows <= shapes.ragged_dot_max_rows else [])
+            for impl, fn in impls:
+                seconds = timed(fn, x, w, kwargs, iters=shapes.iters)
+                row = {"part": "grouped_matmul", "name": f"gate_up_{name}", "impl": impl,
+                       "format": fmt, "rows": rows, "experts_touched": touched,
+                       "ms": seconds * 1e3, "weight_gbps": weight_bytes / seconds / 1e9,
+                       "tflops": flops / seconds / 1e12}
+                if impl == "pallas" and fmt == "bf16":
+                    bf16_seconds = seconds
+                elif impl == "pallas":
+                    row.update(vs_bf16=bf16_seconds / seconds, rel_err=rel_err(
+                        fn(x, w, kwargs), reference(x, w, kwargs)))
+                yield row
 
 
-def bench_kv_write(rng, shapes):
-    """One decode step's K/V rows scattered into a donated cache: GB/s over rows written."""
-    k_pages, v_pages, page_table = paged_cache(rng, shapes, num_seqs=shapes.decode_batch,
-                                               context=shapes.decode_context)
-    new = jnp.asarray(rng.standard_normal((shapes.decode_batch, shapes.num_kv_heads,
-                                           shapes.head_dim)), jnp.bfloat16)
-    slots = page_table[:, -1] * shapes.page_size + shapes.page_size - 1
+def dense_matmul(rng, shapes, interpret):
+    d, n, k, h = shapes.hidden, shapes.num_q_heads, shapes.num_kv_heads, shapes.head_dim
+    qkv = tuple(jnp.asarray(rng.standard_normal((1, d, c)) / 32, jnp.bfloat16)
+                for c in (n * h, k * h, k * h))
+    o = (jnp.asarray(rng.standard_normal((1, n * h, d)) / 32, jnp.bfloat16),)
+    fn = jax.jit(lambda x, ws: stacked_matmul(x, ws, jnp.int32(0), interpret=interpret))
+    for tokens in (shapes.token_buckets[0], shapes.prefill_tokens):
+        for name, ws in (("qkv", qkv), ("o_proj", o)):
+            x = jnp.asarray(rng.standard_normal((tokens, ws[0].shape[1])), jnp.bfloat16)
+            seconds = timed(fn, x, ws, iters=shapes.iters)
+            weight_bytes = sum(w.size for w in ws) * 2
+            yield {"part": "stacked_matmul", "name": f"{name}_{tokens}", "ms": seconds * 1e3,
+                   "weight_gbps": weight_bytes / seconds / 1e9,
+                   "tflops": 2 * tokens * weight_bytes / 2 / seconds / 1e12}
+
+
+def kv_write(rng, shapes, interpret):
+    del interpret
+    num_seqs = shapes.decode_seqs[-1]
+    args = attention_case(rng, shapes, num_seqs=num_seqs, q_len=1, context=shapes.context)
+    k_pages, v_pages, table = args[1], args[2], args[4]
+    new = jnp.asarray(rng.standard_normal((num_seqs, shapes.num_kv_heads, shapes.head_dim)),
+                      jnp.bfloat16)
+    slots = table[:, -1] * shapes.page_size + shapes.page_size - 1
     write = jax.jit(write_kv_pages, donate_argnums=(0, 1))
     k_pages, v_pages = jax.block_until_ready(write(k_pages, v_pages, new, new, slots))
     start = time.perf_counter()
@@ -152,28 +243,45 @@ def bench_kv_write(rng, shapes):
         k_pages, v_pages = write(k_pages, v_pages, new, new, slots)
     jax.block_until_ready(k_pages)
     seconds = (time.perf_counter() - start) / shapes.iters
-    return {"kv_write_xla_scatter": {"ms": seconds * 1e3,
-                                     "hbm_gbps": 2 * 2 * 2 * new.size / seconds / 1e9}}
+    yield {"part": "kv_write", "name": f"decode_{num_seqs}", "ms": seconds * 1e3,
+           "hbm_gbps": 2 * 2 * 2 * new.size / seconds / 1e9}
+
+
+PARTS = {"check": checks, "attention": attention, "grouped_matmul": moe_matmul,
+         "stacked_matmul": dense_matmul, "kv_write": kv_write}
+
+
+def run(parts, *, small, emit):
+    """Measure `parts` in order, calling emit(row) for each result as it comes."""
+    on_gpu = jax.default_backend() == "gpu"
+    shapes = SMALL if small or not on_gpu else Shapes()
+    rng = np.random.default_rng(0)
+    for part in parts:
+        try:
+            for row in PARTS[part](rng, shapes, not on_gpu):
+                emit(row)
+        except Exception as e:  # noqa: BLE001 - report and go on: the parts are independent
+            emit({"part": part, "error": f"{type(e).__name__}: {str(e)[:2000]}"})
 
 
 def main(argv=None):
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--small", action="store_true", help="tiny shapes (default off GPU)")
-    parser.add_argument("--out", help="also write the JSON here")
+    parser.add_argument("--out", help="also append the JSON lines here")
+    parser.add_argument("--parts", default=",".join(PARTS))
     args = parser.parse_args(argv)
-    on_gpu = jax.default_backend() == "gpu"
-    shapes = SMALL if args.small or not on_gpu else Shapes()
-    rng = np.random.default_rng(0)
-    report = {"device": jax.devices()[0].device_kind, "jax": jax.__version__,
-              "interpret": not on_gpu, "shapes": dataclasses.asdict(shapes)}
-    report.update(bench_attention(rng, shapes, interpret=not on_gpu))
-    report.update(bench_grouped_matmul(rng, shapes, interpret=not on_gpu))
-    report.update(bench_kv_write(rng, shapes))
-    text = json.dumps(report, indent=1)
-    print(text)
-    if args.out:
-        with open(args.out, "w") as f:
-            f.write(text + "\n")
+    out = open(args.out, "a") if args.out else None
+
+    def emit(row):
+        line = json.dumps(row)
+        print(line, flush=True)
+        if out:
+            out.write(line + "\n")
+            out.flush()
+
+    emit({"part": "env", "device": jax.devices()[0].device_kind, "jax": jax.__version__,
+          "interpret": jax.default_backend() != "gpu"})
+    run(args.parts.split(","), small=args.small, emit=emit)
 
 
 if __name__ == "__main__":

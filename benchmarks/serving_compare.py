@@ -18,6 +18,10 @@ our server vs HF transformers' server. Prints one JSON object.
    a minimal aiohttp OpenAI-compatible wrapper around HF `generate` in this file (one
    request at a time, one SSE chunk per token). `--hf-server` forces either.
 
+With `--plot-dir DIR`, `qwen-jax bench serve --plot` draws each comparison from its result
+files: DIR/serving_prefix.png (prefix caching on vs off) and DIR/serving_compare.png (ours vs
+HF at `--hf-concurrency`).
+
 Every server started here is stopped (terminate, then kill) on the way out, errors included.
 """
 
@@ -65,14 +69,11 @@ def parse_args(argv=None):
     p = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     p.add_argument("--model", default=str(SHIPPED_MODEL))
     p.add_argument("--out", help="also write the JSON here")
+    p.add_argument("--plot-dir", help="draw each comparison into a PNG in this directory")
     p.add_argument("--seed", type=int, default=0)
-    e = p.add_argument_group("engine (both of our servers)")
-    e.add_argument("--max-num-seqs", type=int, default=8)
-    e.add_argument("--max-num-batched-tokens", type=int, default=256)
-    e.add_argument("--max-model-len", type=int, default=512)
-    e.add_argument("--token-buckets", default="8,64,256")
-    e.add_argument("--seq-buckets", default="8")
-    e.add_argument("--compilation-cache-dir", default="default")
+    add_engine_options(p, "engine (both of our servers)", max_num_seqs=8,
+                       max_num_batched_tokens=256, max_model_len=512, token_buckets="8,64,256",
+                       seq_buckets="8")
     s = p.add_argument_group("shared-prefix workload")
     s.add_argument("--num-prefix-groups", type=int, default=4)
     s.add_argument("--prompts-per-group", type=int, default=8)
@@ -97,6 +98,28 @@ def parse_args(argv=None):
     p.add_argument("--_hf_wrapper", nargs=3, metavar=("MODEL", "PORT", "THREADS"),
                    help=argparse.SUPPRESS)
     return p.parse_args(argv)
+
+
+def add_engine_options(p, title: str, *, max_num_seqs: int, max_num_batched_tokens: int,
+                       max_model_len: int, token_buckets: str, seq_buckets: str) -> None:
+    """The engine options every `qwen-jax serve` of a comparison shares."""
+    e = p.add_argument_group(title)
+    e.add_argument("--max-num-seqs", type=int, default=max_num_seqs)
+    e.add_argument("--max-num-batched-tokens", type=int, default=max_num_batched_tokens)
+    e.add_argument("--max-model-len", type=int, default=max_model_len)
+    e.add_argument("--token-buckets", default=token_buckets)
+    e.add_argument("--seq-buckets", default=seq_buckets)
+    e.add_argument("--compilation-cache-dir", default="default")
+
+
+def serve_cmd(args, port: int, *flags: str) -> list[str]:
+    """`qwen-jax serve` on loopback with the shared engine options, then `flags`."""
+    return [*QWEN_JAX, "serve", "--model", args.model, "--host", "127.0.0.1",
+            "--port", str(port), "--max-num-seqs", str(args.max_num_seqs),
+            "--max-num-batched-tokens", str(args.max_num_batched_tokens),
+            "--max-model-len", str(args.max_model_len), "--token-buckets", args.token_buckets,
+            "--seq-buckets", args.seq_buckets, "--seed", str(args.seed),
+            "--compilation-cache-dir", args.compilation_cache_dir, *flags]
 
 
 # ---- servers ---------------------------------------------------------------------------
@@ -162,13 +185,8 @@ class Server:
 
 def our_server(args, prefix_caching: bool, logdir: str) -> Server:
     port = free_port()
-    cmd = [*QWEN_JAX, "serve", "--model", args.model, "--host", "127.0.0.1",
-           "--port", str(port), "--max-num-seqs", str(args.max_num_seqs),
-           "--max-num-batched-tokens", str(args.max_num_batched_tokens),
-           "--max-model-len", str(args.max_model_len), "--token-buckets", args.token_buckets,
-           "--seq-buckets", args.seq_buckets, "--seed", str(args.seed),
-           "--compilation-cache-dir", args.compilation_cache_dir,
-           "--enable-prefix-caching" if prefix_caching else "--no-enable-prefix-caching"]
+    cmd = serve_cmd(args, port,
+                    "--enable-prefix-caching" if prefix_caching else "--no-enable-prefix-caching")
     env = {**os.environ, "JAX_PLATFORMS": os.environ.get("JAX_PLATFORMS", "cpu")}
     name = "qwen_jax_prefix_" + ("on" if prefix_caching else "off")
     return Server(name, cmd, port, logdir, env)
@@ -230,7 +248,7 @@ def bench(server: Server, model_id: str, tokenizer: str, logdir: str, tag: str,
     path = os.path.join(logdir, f"{tag}.json")
     cmd = [*QWEN_JAX, "bench", "serve", "--base-url", server.url, "--model", model_id,
            "--tokenizer", tokenizer, "--ignore-eos", "--no-warmup", "--result-json", path,
-           *extra]
+           "--save-detailed", "--metrics-interval", "0.1", *extra]
     run = subprocess.run(cmd, cwd=REPO, capture_output=True, text=True, timeout=900)
     if run.returncode != 0:
         raise RuntimeError(f"bench serve ({tag}) failed:\n{run.stdout[-2000:]}\n"
@@ -335,6 +353,28 @@ def run_hf_comparison(args, logdir: str) -> dict:
                          "output_len": args.random_output_len, "seed": args.seed,
                          "max_concurrency": levels, "ignore_eos": True, "temperature": 0.0},
             **results, "ratios": ratios}
+
+
+def plot_comparisons(args, logdir: str) -> list[str]:
+    """Each comparison's result files side by side, through `bench serve --plot`."""
+    Path(args.plot_dir).mkdir(parents=True, exist_ok=True)
+    figures = []
+    c = args.hf_concurrency
+    for name, files, skip in (
+            ("serving_prefix.png", {"prefix_on": "prefix caching on",
+                                    "prefix_off": "prefix caching off"}, args.skip_prefix),
+            ("serving_compare.png", {f"random_qwen_jax_c{c}": f"qwen-jax serve, concurrency {c}",
+                                     f"random_hf_c{c}": f"HF server, concurrency {c}"},
+             args.skip_hf)):
+        if skip:
+            continue
+        out = os.path.join(args.plot_dir, name)
+        cmd = [*QWEN_JAX, "bench", "serve", "--plot", out, "--plot-results",
+               *(os.path.join(logdir, f"{tag}.json") for tag in files),
+               "--plot-labels", *files.values()]
+        subprocess.run(cmd, cwd=REPO, check=True, capture_output=True, timeout=300)
+        figures.append(out)
+    return figures
 
 
 # ---- fallback HF server: aiohttp around `generate`, one request at a time --------------
@@ -457,6 +497,8 @@ def main(argv=None) -> int:
             result["prefix_caching"] = run_prefix_comparison(args, logdir)
         if not args.skip_hf:
             result["hf_comparison"] = run_hf_comparison(args, logdir)
+        if args.plot_dir:
+            result["plots"] = plot_comparisons(args, logdir)
     result["machine"]["load_average_at_end"] = [round(x, 2) for x in os.getloadavg()]
     result["total_s"] = round(time.perf_counter() - started, 1)
     text = json.dumps(result, indent=2)

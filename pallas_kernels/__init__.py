@@ -4,14 +4,28 @@
 backends and "reference" elsewhere.
 """
 
-from pallas_kernels.grouped_matmul import grouped_matmul, grouped_matmul_reference
-from pallas_kernels.impl import IMPLS, Ops, default_impl, ops
+from pallas_kernels.grouped_matmul import (
+                                           GroupPlan,
+                                           grouped_matmul,
+                                           grouped_matmul_reference,
+                                           plan_groups,
+)
+from pallas_kernels.impl import IMPLS, Ops, default_impl, interpreted, ops
 from pallas_kernels.kv_write import quantize, write_kv_pages
-from pallas_kernels.ragged_paged_attention import (ragged_paged_attention,
-                                                   ragged_paged_attention_reference)
+from pallas_kernels.ragged_paged_attention import (
+                                           AttentionPlan,
+                                           ReferencePlan,
+                                           plan_attention,
+                                           plan_attention_reference,
+                                           ragged_paged_attention,
+                                           ragged_paged_attention_reference,
+)
+from pallas_kernels.stacked_matmul import stacked_matmul, stacked_matmul_reference
 
 __all__ = [
-    "IMPLS", "Ops", "default_impl", "grouped_matmul", "grouped_matmul_reference", "ops",
-    "quantize", "ragged_paged_attention", "ragged_paged_attention_reference",
+    "IMPLS", "AttentionPlan", "GroupPlan", "Ops", "ReferencePlan", "default_impl",
+    "grouped_matmul", "grouped_matmul_reference", "interpreted", "ops", "plan_attention",
+    "plan_attention_reference", "plan_groups", "quantize", "ragged_paged_attention",
+    "ragged_paged_attention_reference", "stacked_matmul", "stacked_matmul_reference",
     "write_kv_pages",
 ]

@@ -6,6 +6,9 @@ little to win here (see docs/architecture.md, "Kernels").
 """
 
 import jax.numpy as jnp
+from jax.typing import ArrayLike
+
+from pallas_kernels.array_types import Array, Float, Int, Shaped
 
 _INT8_MAX = 127.0
 
@@ -22,8 +25,12 @@ def quantize(values, pages_dtype, scale):
     return jnp.clip(scaled, -limit, limit).astype(pages_dtype)
 
 
-def write_kv_pages(k_pages, v_pages, k_new, v_new, slot_mapping, *, k_scale=None,
-                   v_scale=None):
+def write_kv_pages(k_pages: Shaped[ArrayLike, "P L K H"], v_pages: Shaped[ArrayLike, "P L K H"],
+                   k_new: Float[ArrayLike, "T K H"], v_new: Float[ArrayLike, "T K H"],
+                   slot_mapping: Int[ArrayLike, " T"], *,
+                   k_scale: Float[ArrayLike, " K"] | None = None,
+                   v_scale: Float[ArrayLike, " K"] | None = None
+                   ) -> tuple[Shaped[Array, "P L K H"], Shaped[Array, "P L K H"]]:
     """Scatter new rows into the paged cache; returns the updated (k_pages, v_pages).
 
     k_pages, v_pages: [P, L, K, H]; k_new, v_new: [T, K, H]; slot_mapping: int32[T]

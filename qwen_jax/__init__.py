@@ -1,25 +1,33 @@
-"""qwen-jax: serve Qwen3 / Qwen3-MoE with JAX on NVIDIA GPUs."""
+"""qwen-jax: serve Qwen3 / Qwen3-MoE with JAX on NVIDIA GPUs.
 
-from qwen_jax.config import ModelConfig
-from qwen_jax.model import Qwen3ForCausalLM
+The package's public names, resolved on first use: the model's from this package, the
+engine's from `serving`. Nothing is imported eagerly, so `import qwen_jax.config` stays
+free of jax and of the engine, and no module of this package imports `serving` (the
+engine sits above the model; tests/unit/test_layers.py holds both rules).
+"""
 
-# The engine lives in the `serving` package, which imports this one: resolve lazily.
-_LAZY = {
-    "LLM": ("serving.llm", "LLM"),
-    "AsyncLLM": ("serving.async_llm", "AsyncLLM"),
-    "LLMEngine": ("serving.engine", "LLMEngine"),
-    "SamplingParams": ("serving.request", "SamplingParams"),
-    "RequestOutput": ("serving.request", "RequestOutput"),
-    "CompletionOutput": ("serving.request", "CompletionOutput"),
-    "EngineConfig": ("serving.engine_config", "EngineConfig"),
+import importlib
+
+_PUBLIC = {
+    "ModelConfig": "qwen_jax.config",
+    "Qwen3ForCausalLM": "qwen_jax.model",
+    "LLM": "serving.llm",
+    "AsyncLLM": "serving.async_llm",
+    "LLMEngine": "serving.engine",
+    "SamplingParams": "serving.request",
+    "RequestOutput": "serving.request",
+    "CompletionOutput": "serving.request",
+    "EngineConfig": "serving.engine_config",
 }
 
-__all__ = ["ModelConfig", "Qwen3ForCausalLM", *_LAZY]
+__all__ = list(_PUBLIC)
 
 
-def __getattr__(name):
-    if name in _LAZY:
-        import importlib
-        module, attr = _LAZY[name]
-        return getattr(importlib.import_module(module), attr)
+def __getattr__(name: str):
+    if name in _PUBLIC:
+        return getattr(importlib.import_module(_PUBLIC[name]), name)
     raise AttributeError(f"module 'qwen_jax' has no attribute {name!r}")
+
+
+def __dir__() -> list[str]:
+    return sorted([*globals(), *_PUBLIC])

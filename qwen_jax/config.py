@@ -8,9 +8,11 @@ import json
 import math
 import os
 from pathlib import Path
-from typing import Any
 
 import numpy as np
+
+from qwen_jax.quantization import Quantization
+from qwen_jax.validation import require
 
 DENSE_ARCH = "Qwen3ForCausalLM"
 MOE_ARCH = "Qwen3MoeForCausalLM"
@@ -19,9 +21,16 @@ _ROPE_TYPES = ("default", "linear", "yarn")
 PRESET_DIR = Path(__file__).parent / "configs"
 
 
-def _require(cond: bool, field: str, value: Any, limit: str) -> None:
-    if not cond:
-        raise ValueError(f"config field {field!r} = {value!r} is invalid: {limit}")
+def _validate_rope_scaling(rope: dict) -> None:
+    rope_type = rope.get("rope_type", "default")
+    require(rope_type in _ROPE_TYPES, "rope_parameters.rope_type", rope_type,
+            f"one of {', '.join(_ROPE_TYPES)}")
+    if rope_type == "linear":
+        require(float(rope.get("factor") or 0) > 0, "rope_parameters.factor", rope.get("factor"),
+                "> 0")
+    if rope_type == "yarn":
+        require("original_max_position_embeddings" in rope,
+                "rope_parameters.original_max_position_embeddings", None, "set for yarn")
 
 
 @dataclasses.dataclass(frozen=True, kw_only=True)
@@ -51,40 +60,34 @@ class ModelConfig:
     mlp_only_layers: tuple[int, ...] = ()
     bos_token_id: int | None = None
     eos_token_id: int | tuple[int, ...] | None = None
+    # Weight quantisation: the checkpoint's quantization_config, or --quantization.
+    quantization: Quantization | None = None
 
     def __post_init__(self):
-        _require(self.architecture in (DENSE_ARCH, MOE_ARCH), "architectures", self.architecture,
-                 f"supported: {DENSE_ARCH}, {MOE_ARCH}")
+        require(self.architecture in (DENSE_ARCH, MOE_ARCH), "architectures", self.architecture,
+                f"one of {DENSE_ARCH}, {MOE_ARCH}")
         for name in ("vocab_size", "hidden_size", "intermediate_size", "num_hidden_layers",
                      "num_attention_heads", "num_key_value_heads", "head_dim"):
-            _require(getattr(self, name) > 0, name, getattr(self, name), "must be > 0")
-        _require(self.num_attention_heads % self.num_key_value_heads == 0, "num_key_value_heads",
-                 self.num_key_value_heads,
-                 f"must divide num_attention_heads={self.num_attention_heads}")
-        _require(self.head_dim % 2 == 0, "head_dim", self.head_dim, "must be even for RoPE")
-        _require(self.rms_norm_eps > 0, "rms_norm_eps", self.rms_norm_eps, "must be > 0")
-        _require(self.hidden_act == "silu", "hidden_act", self.hidden_act, "only 'silu' is supported")
-        _require(self.decoder_sparse_step >= 1, "decoder_sparse_step", self.decoder_sparse_step,
-                 "must be >= 1")
-        for idx in self.mlp_only_layers:
-            _require(0 <= idx < self.num_hidden_layers, "mlp_only_layers", list(self.mlp_only_layers),
-                     f"indices must lie in [0, {self.num_hidden_layers})")
+            require(getattr(self, name) > 0, name, getattr(self, name), "> 0")
+        require(self.num_attention_heads % self.num_key_value_heads == 0, "num_key_value_heads",
+                self.num_key_value_heads,
+                f"a divisor of num_attention_heads={self.num_attention_heads}")
+        require(self.head_dim % 2 == 0, "head_dim", self.head_dim, "even (RoPE rotates pairs)")
+        require(self.rms_norm_eps > 0, "rms_norm_eps", self.rms_norm_eps, "> 0")
+        require(self.hidden_act == "silu", "hidden_act", self.hidden_act,
+                "'silu' (the only one supported)")
+        require(self.decoder_sparse_step >= 1, "decoder_sparse_step", self.decoder_sparse_step,
+                ">= 1")
+        require(all(0 <= idx < self.num_hidden_layers for idx in self.mlp_only_layers),
+                "mlp_only_layers", list(self.mlp_only_layers),
+                f"layer indices in [0, {self.num_hidden_layers})")
         if self.architecture == MOE_ARCH and self.num_experts > 0:
-            _require(self.moe_intermediate_size > 0, "moe_intermediate_size",
-                     self.moe_intermediate_size, "must be > 0 when num_experts > 0")
-            _require(0 < self.num_experts_per_tok <= self.num_experts, "num_experts_per_tok",
-                     self.num_experts_per_tok, f"must lie in [1, num_experts={self.num_experts}]")
+            require(self.moe_intermediate_size > 0, "moe_intermediate_size",
+                    self.moe_intermediate_size, "> 0 when num_experts > 0")
+            require(0 < self.num_experts_per_tok <= self.num_experts, "num_experts_per_tok",
+                    self.num_experts_per_tok, f"in [1, num_experts={self.num_experts}]")
         if self.rope_scaling is not None:
-            rope_type = self.rope_scaling.get("rope_type", "default")
-            _require(rope_type in _ROPE_TYPES, "rope_parameters.rope_type", rope_type,
-                     f"supported: {', '.join(_ROPE_TYPES)}")
-            if rope_type == "linear":
-                _require(float(self.rope_scaling.get("factor") or 0) > 0, "rope_parameters.factor",
-                         self.rope_scaling.get("factor"), "must be > 0")
-            if rope_type == "yarn":
-                _require("original_max_position_embeddings" in self.rope_scaling,
-                         "rope_parameters.original_max_position_embeddings", None,
-                         "required for yarn")
+            _validate_rope_scaling(self.rope_scaling)
 
     # ---- derived structure -------------------------------------------------------------
     def is_moe_layer(self, idx: int) -> bool:
@@ -94,7 +97,8 @@ class ModelConfig:
 
     @functools.cached_property
     def layer_kinds(self) -> tuple[str, ...]:
-        return tuple("moe" if self.is_moe_layer(i) else "dense" for i in range(self.num_hidden_layers))
+        return tuple("moe" if self.is_moe_layer(i) else "dense"
+                     for i in range(self.num_hidden_layers))
 
     @functools.cached_property
     def segments(self) -> tuple[tuple[str, int, int], ...]:
@@ -112,19 +116,12 @@ class ModelConfig:
         return "moe" in self.layer_kinds
 
     @property
-    def num_queries_per_kv(self) -> int:
-        return self.num_attention_heads // self.num_key_value_heads
-
-    @property
     def eos_token_ids(self) -> tuple[int, ...]:
         if self.eos_token_id is None:
             return ()
         if isinstance(self.eos_token_id, int):
             return (self.eos_token_id,)
         return tuple(self.eos_token_id)
-
-    def kv_bytes_per_token(self, dtype_bytes: int = 2) -> int:
-        return 2 * self.num_hidden_layers * self.num_key_value_heads * self.head_dim * dtype_bytes
 
     # ---- RoPE --------------------------------------------------------------------------
     @functools.cached_property
@@ -157,7 +154,9 @@ class ModelConfig:
             "rope_parameters": rope,
             "mlp_only_layers": list(self.mlp_only_layers),
         }
-        skip = {"architecture", "rope_theta", "rope_scaling", "mlp_only_layers"}
+        if self.quantization is not None:
+            out["quantization_config"] = self.quantization.to_hf_dict()
+        skip = {"architecture", "rope_theta", "rope_scaling", "mlp_only_layers", "quantization"}
         for f in dataclasses.fields(self):
             if f.name not in skip:
                 value = getattr(self, f.name)
@@ -227,13 +226,13 @@ def list_presets() -> list[str]:
 def _architecture(hf: dict) -> str:
     archs = hf.get("architectures") or []
     if archs:
-        _require(len(archs) == 1 and archs[0] in (DENSE_ARCH, MOE_ARCH), "architectures", archs,
-                 f"supported: {DENSE_ARCH}, {MOE_ARCH}")
+        require(len(archs) == 1 and archs[0] in (DENSE_ARCH, MOE_ARCH), "architectures", archs,
+                f"one of {DENSE_ARCH}, {MOE_ARCH}")
         return archs[0]
     model_type = hf.get("model_type")
-    _require(model_type in _ARCH_BY_MODEL_TYPE, "model_type", model_type,
-             f"supported: {', '.join(_ARCH_BY_MODEL_TYPE)}")
-    return _ARCH_BY_MODEL_TYPE[model_type]
+    require(model_type in _ARCH_BY_MODEL_TYPE, "model_type", model_type,
+            f"one of {', '.join(_ARCH_BY_MODEL_TYPE)}")
+    return _ARCH_BY_MODEL_TYPE[str(model_type)]
 
 
 def _rope_fields(hf: dict) -> tuple[float, dict | None]:
@@ -256,23 +255,28 @@ def _rope_fields(hf: dict) -> tuple[float, dict | None]:
 def _fields_from_hf(hf: dict) -> dict:
     arch = _architecture(hf)
     hidden, heads = hf.get("hidden_size"), hf.get("num_attention_heads")
-    _require(isinstance(hidden, int) and isinstance(heads, int) and heads > 0,
-             "hidden_size/num_attention_heads", (hidden, heads), "both must be positive integers")
+    require(isinstance(hidden, int) and isinstance(heads, int) and heads > 0,
+            "hidden_size/num_attention_heads", (hidden, heads), "positive integers")
     num_experts = hf.get("num_experts", hf.get("num_local_experts", 0)) or 0
     if "num_experts" in hf and "num_local_experts" in hf:
-        _require(hf["num_experts"] == hf["num_local_experts"], "num_local_experts",
-                 hf["num_local_experts"], f"disagrees with num_experts={hf['num_experts']}")
-    head_dim = hf.get("head_dim") or hidden // heads
+        require(hf["num_experts"] == hf["num_local_experts"], "num_local_experts",
+                hf["num_local_experts"], f"equal to num_experts={hf['num_experts']}")
+    head_dim = hf.get("head_dim") or hf["hidden_size"] // hf["num_attention_heads"]
     rope_theta, rope_scaling = _rope_fields(hf)
     fields = dict(
         architecture=arch, vocab_size=hf.get("vocab_size", 0), hidden_size=hidden,
-        intermediate_size=hf.get("intermediate_size", 0), num_hidden_layers=hf.get("num_hidden_layers", 0),
+        intermediate_size=hf.get("intermediate_size", 0),
+        num_hidden_layers=hf.get("num_hidden_layers", 0),
         num_attention_heads=heads, num_key_value_heads=hf.get("num_key_value_heads") or heads,
         head_dim=head_dim, rms_norm_eps=hf.get("rms_norm_eps", 1e-6), rope_theta=rope_theta,
-        rope_scaling=rope_scaling, max_position_embeddings=hf.get("max_position_embeddings", 40_960),
+        rope_scaling=rope_scaling,
+        max_position_embeddings=hf.get("max_position_embeddings", 40_960),
         tie_word_embeddings=bool(hf.get("tie_word_embeddings", False)),
-        attention_bias=bool(hf.get("attention_bias", False)), hidden_act=hf.get("hidden_act", "silu"),
+        attention_bias=bool(hf.get("attention_bias", False)),
+        hidden_act=hf.get("hidden_act", "silu"),
         bos_token_id=hf.get("bos_token_id"),
+        quantization=(Quantization.from_hf(hf["quantization_config"])
+                      if hf.get("quantization_config") else None),
         eos_token_id=tuple(hf["eos_token_id"]) if isinstance(hf.get("eos_token_id"), list)
         else hf.get("eos_token_id"),
     )

@@ -8,11 +8,13 @@ import numpy as np
 from flax import nnx
 
 import pallas_kernels
-from qwen_jax import sharding
-from qwen_jax.attention import Attention, AttentionMetadata
+from pallas_kernels.array_types import Array, Float, Int
+from qwen_jax import sharding, weights
+from qwen_jax.attention import Attention, AttentionMetadata, StepContext, step_context
 from qwen_jax.config import ModelConfig
-from qwen_jax.layers import RMSNorm, Runtime, init_param
+from qwen_jax.layers import RMSNorm, Runtime, init_param, no_quant
 from qwen_jax.moe import MLP, SparseMoE
+from qwen_jax.quantization import Quantization
 
 KVCache = list  # per segment: (k [X*P, L, K', H], v [X*P, L, K', H]); K' = K * replication
 
@@ -20,37 +22,75 @@ KVCache = list  # per segment: (k [X*P, L, K', H], v [X*P, L, K', H]); K' = K * 
 class DecoderLayer(nnx.Module):
     """HF `model.layers.{i}`; built with `stack=(X,)` to hold X layers' params stacked."""
 
-    def __init__(self, cfg: ModelConfig, kind: str, *, stack=(), dtype=jnp.float32, rngs=None):
+    def __init__(self, cfg: ModelConfig, kind: str, *, stack=(), dtype=jnp.float32, rngs=None,
+                 layers: range = range(0)):
+        """layers: the HF layer indices held (their quantisation decides the formats)."""
         self.input_layernorm = RMSNorm(cfg.hidden_size, cfg.rms_norm_eps, stack=stack, dtype=dtype)
-        self.self_attn = Attention(cfg, stack=stack, dtype=dtype, rngs=rngs)
+        quant = layer_quant(cfg.quantization, layers)
+        self.self_attn = Attention(cfg, stack=stack, dtype=dtype, rngs=rngs, quant=quant)
         self.post_attention_layernorm = RMSNorm(cfg.hidden_size, cfg.rms_norm_eps, stack=stack,
                                                 dtype=dtype)
         mlp_cls = SparseMoE if kind == "moe" else MLP
-        self.mlp = mlp_cls(cfg, stack=stack, dtype=dtype, rngs=rngs)
+        self.mlp = mlp_cls(cfg, stack=stack, dtype=dtype, rngs=rngs, quant=quant)
 
-    def __call__(self, x, positions, kv_cache, meta, page_offset, valid, rope, rt):
-        attn_out, kv_cache = self.self_attn(self.input_layernorm(x), positions, kv_cache, meta,
-                                            page_offset, rope, rt)
+    def __call__(self, x, kv_cache, ctx: StepContext, layer, page_offset, rt):
+        """Layer `layer` of the stack: matrices whole, vectors already sliced."""
+        attn_out, kv_cache = self.self_attn(self.input_layernorm(x), kv_cache, ctx, layer,
+                                            page_offset, rt)
         x = x + attn_out
-        x = x + self.mlp(self.post_attention_layernorm(x), valid, rt)
+        x = x + self.mlp(self.post_attention_layernorm(x), ctx.valid, rt, layer)
         return x, kv_cache
 
 
-def run_segment(stack: DecoderLayer, x, positions, kv_cache, meta, valid, rope, rt):
-    """Scan the stacked layers of one segment; the cache rides in the carry (in place)."""
+def layer_quant(quantization: Quantization | None, layers: range):
+    """quant(name) -> the WeightFormat of sub-module `name` (e.g. "self_attn.q_proj") over
+    `layers`: quantised only if the checkpoint quantises it in every one of them."""
+    if quantization is None:
+        return no_quant
+    return lambda name: quantization.format_for([f"model.layers.{i}.{name}" for i in layers])
+
+
+def layer_vectors(state):
+    """Per-layer vector params ([X, n] stacks: norm weights, biases) gathered into one
+    [X, sum n] table per dtype, built once per step, and a function that returns the
+    state with the matrices whole and the vectors of one layer: one dynamic slice per
+    layer instead of one per vector."""
+    leaves, treedef = jax.tree.flatten(state)
+    groups: dict = {}
+    for i, leaf in enumerate(leaves):
+        if leaf.ndim == 2:
+            groups.setdefault(jnp.dtype(leaf.dtype), []).append(i)
+    tables = {dtype: jnp.concatenate([leaves[i] for i in ids], axis=1)
+              for dtype, ids in groups.items()}
+
+    def at(layer):
+        out = list(leaves)
+        for dtype, ids in groups.items():
+            row = tables[dtype][layer]  # [sum n]
+            offsets = np.cumsum([0] + [leaves[i].shape[1] for i in ids])
+            for i, start, stop in zip(ids, offsets[:-1], offsets[1:]):
+                out[i] = row[start:stop]
+        return jax.tree.unflatten(treedef, out)
+
+    return at
+
+
+def run_segment(stack: DecoderLayer, x, kv_cache, ctx: StepContext, rt):
+    """Scan the stacked layers of one segment over a layer index; the weights stay whole
+    (read in place by the ops) and the cache rides in the carry (updated in place)."""
     graphdef, state = nnx.split(stack)
     num_layers = jax.tree.leaves(state)[0].shape[0]
     pages_per_layer = kv_cache[0].shape[0] // num_layers
+    layer_state = layer_vectors(state)
 
-    def body(carry, xs):
-        h, kv = carry
-        layer_state, layer_idx = xs
-        layer = nnx.merge(graphdef, layer_state)
-        h, kv = layer(h, positions, kv, meta, layer_idx * pages_per_layer, valid, rope, rt)
-        return (h, kv), None
+    def body(carry, _):
+        h, kv, layer = carry  # the index rides in the carry: no per-layer slice of an iota
+        module = nnx.merge(graphdef, layer_state(layer))
+        h, kv = module(h, kv, ctx, layer, layer * pages_per_layer, rt)
+        return (h, kv, layer + 1), None
 
-    layer_ids = jnp.arange(num_layers, dtype=jnp.int32)
-    (x, kv_cache), _ = jax.lax.scan(body, (x, kv_cache), (state, layer_ids))
+    init = (x, kv_cache, jnp.zeros((), jnp.int32))
+    (x, kv_cache, _), _ = jax.lax.scan(body, init, length=num_layers)
     return x, kv_cache
 
 
@@ -65,8 +105,9 @@ class Qwen3ForCausalLM(nnx.Module):
         self.runtime = Runtime(impl or pallas_kernels.default_impl(), mesh)
         self.embed_tokens = init_param(rngs, (cfg.vocab_size, cfg.hidden_size), dtype)  # [V, D]
         self.segments = nnx.List([
-            DecoderLayer(cfg, kind, stack=(count,), dtype=dtype, rngs=rngs)
-            for kind, _, count in cfg.segments])
+            DecoderLayer(cfg, kind, stack=(count,), dtype=dtype, rngs=rngs,
+                         layers=range(first, first + count))
+            for kind, first, count in cfg.segments])
         self.norm = RMSNorm(cfg.hidden_size, cfg.rms_norm_eps, dtype=dtype)
         self.lm_head = (None if cfg.tie_word_embeddings
                         else init_param(rngs, (cfg.hidden_size, cfg.vocab_size), dtype))  # [D, V]
@@ -79,18 +120,24 @@ class Qwen3ForCausalLM(nnx.Module):
         return self.embed_tokens.dtype
 
     # ---- serving path ------------------------------------------------------------------
-    def forward(self, token_ids, positions, kv_caches: KVCache, meta: AttentionMetadata):
+    def forward(self, token_ids: Int[Array | np.ndarray, " T"],
+                positions: Int[Array | np.ndarray, " T"],
+                kv_caches: KVCache, meta: AttentionMetadata
+                ) -> tuple[Float[Array, "T D"], KVCache]:
         """token_ids, positions: int32[T] -> (final hidden [T, D], updated caches)."""
+        cfg = self.config
         x = self.embed_tokens[...][token_ids]  # [T, D]
-        valid = meta.valid_tokens(token_ids.shape[0])
-        rope = (self.rope_inv_freq[...], self.rope_scale)
+        ctx = step_context(meta, positions, (self.rope_inv_freq[...], self.rope_scale),
+                           dtype=self.dtype, num_q_heads=cfg.num_attention_heads,
+                           num_kv_heads=self.num_cache_kv_heads, head_dim=cfg.head_dim,
+                           rt=self.runtime)
         new_caches = []
         for stack, kv in zip(self.segments, kv_caches):
-            x, kv = run_segment(stack, x, positions, kv, meta, valid, rope, self.runtime)
+            x, kv = run_segment(stack, x, kv, ctx, self.runtime)
             new_caches.append(kv)
         return self.norm(x), new_caches
 
-    def compute_logits(self, hidden: jax.Array) -> jax.Array:
+    def compute_logits(self, hidden: Float[Array, "*B D"]) -> Float[Array, "*B V"]:
         """hidden: [..., D] -> float32 logits [..., V]."""
         head = self.embed_tokens[...].T if self.lm_head is None else self.lm_head[...]
         return jnp.einsum("...d,dv->...v", hidden, head, preferred_element_type=jnp.float32)
@@ -120,7 +167,8 @@ class Qwen3ForCausalLM(nnx.Module):
         return [(zeros(c), zeros(c)) for _, _, c in cfg.segments]
 
     # ---- full-sequence path ------------------------------------------------------------
-    def __call__(self, input_ids: jax.Array, page_size: int = 16) -> jax.Array:
+    def __call__(self, input_ids: Int[Array | np.ndarray, "B T"], page_size: int = 16
+                 ) -> Float[Array, "B T V"]:
         """input_ids: int32[B, T] -> float32 logits [B, T, V] (causal, no padding)."""
         batch, seq_len = input_ids.shape
         meta, num_pages = contiguous_metadata(batch, seq_len, page_size)
@@ -131,12 +179,16 @@ class Qwen3ForCausalLM(nnx.Module):
 
     @classmethod
     def from_pretrained(cls, path, dtype="float32", *, impl: str | None = None,
-                        load_format: str = "auto", mesh=None) -> "Qwen3ForCausalLM":
+                        load_format: str = "auto", mesh=None, seed: int = 0,
+                        quantization: str | None = None) -> "Qwen3ForCausalLM":
         """Load an HF safetensors checkpoint, an orbax checkpoint written by
-        `qwen-jax convert`, or (load_format="dummy" or a preset name) random weights;
-        with a `mesh` (qwen_jax.sharding.make_mesh) every weight lands in its shards."""
-        from qwen_jax.weights import load_model
-        return load_model(path, dtype=dtype, impl=impl, load_format=load_format, mesh=mesh)
+        `qwen-jax convert`, or (load_format="dummy" or a preset name) random weights drawn
+        from `seed`; with a `mesh` (qwen_jax.sharding.make_mesh) every weight lands in its
+        shards. Quantised checkpoints (fp8, AWQ) load as they are; quantization="fp8" |
+        "int8" quantises a float one at load (qwen_jax/quantization.py)."""
+        return weights.load_model(path, dtype, model_cls=cls, impl=impl,
+                                  load_format=load_format, seed=seed, mesh=mesh,
+                                  quantization=quantization)
 
 
 def contiguous_metadata(batch: int, seq_len: int, page_size: int):

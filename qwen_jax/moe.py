@@ -2,7 +2,7 @@
 
 No capacity factor and no dropped tokens: every (token, expert) pair is computed, which is
 what inference parity with HF requires. Padding tokens are routed to a sentinel group past
-the last expert so they never count in `group_sizes` and cost nothing in the matmuls.
+the last expert so they never count in the group sizes and cost nothing in the matmuls.
 """
 
 from __future__ import annotations
@@ -13,36 +13,43 @@ from flax import nnx
 from jax.sharding import PartitionSpec as P
 
 import pallas_kernels
-from qwen_jax.layers import Linear, Runtime, init_param
+from pallas_kernels.grouped_matmul import tuning as gmm_tuning
+from pallas_kernels.quantized import at, dequantize, merge_pair
+from qwen_jax.attention import matmul_op
+from qwen_jax.layers import Linear, Runtime, init_param, init_weight, no_quant, stored_weight
+from qwen_jax.sharding import weight_specs
+
+
+def route_logits(logits: jax.Array, top_k: int, norm_topk_prob: bool):
+    """logits: f32[T, E] -> (weights f32[T, k], expert ids int32[T, k]).
+
+    HF's softmax over all experts, top-k, then renormalisation, without forming the
+    softmax: softmax is monotonic, so the top-k of the logits are the top-k experts, and
+    its max is the first of them. Renormalised weights are a softmax over the k logits;
+    otherwise the denominator sums over all experts. One top-k and one sum."""
+    top, ids = jax.lax.top_k(logits, top_k)  # [T, k], descending
+    scores = jnp.exp(top - top[:, :1])
+    pool = top if norm_topk_prob else logits
+    denom = jnp.sum(jnp.exp(pool - top[:, :1]), axis=-1, keepdims=True)
+    return scores / denom, ids.astype(jnp.int32)
 
 
 def route(x: jax.Array, gate: jax.Array, top_k: int, norm_topk_prob: bool):
     """x: [T, D]; gate: [D, E] -> (weights f32[T, k], expert ids int32[T, k])."""
     logits = jnp.einsum("td,de->te", x.astype(jnp.float32), gate.astype(jnp.float32))
-    probs = jax.nn.softmax(logits, axis=-1)  # [T, E] over all experts
-    weights, ids = jax.lax.top_k(probs, top_k)  # [T, k]
-    if norm_topk_prob:
-        weights = weights / jnp.sum(weights, axis=-1, keepdims=True)
-    return weights, ids.astype(jnp.int32)
+    return route_logits(logits, top_k, norm_topk_prob)
 
 
-def dispatch(ids: jax.Array, valid: jax.Array, num_experts: int):
-    """ids: int32[T, k]; valid: bool[T] -> (order int32[T*k], group_sizes int32[E]).
-
-    `order` lists the (token, slot) pairs sorted by expert; padding pairs sort last.
-    """
-    flat = jnp.where(valid[:, None], ids, num_experts).reshape(-1)  # [T*k]
-    order = jnp.argsort(flat, stable=True).astype(jnp.int32)
-    group_sizes = jnp.zeros((num_experts,), jnp.int32).at[flat].add(1, mode="drop")
-    return order, group_sizes
-
-
-def experts_forward(x_sorted, gate_up, down, group_sizes, gmm):
-    """x_sorted: [M, D]; gate_up: [E, D, 2, F]; down: [E, F, D] -> [M, D]."""
-    num_experts, dim, _, ffn = gate_up.shape
-    h = gmm(x_sorted, gate_up.reshape(num_experts, dim, 2 * ffn), group_sizes)  # [M, 2F]
-    act = jax.nn.silu(h[:, :ffn]) * h[:, ffn:]  # [M, F]
-    return gmm(act.astype(x_sorted.dtype), down, group_sizes)  # [M, D]
+def dispatch(flat_ids: jax.Array, num_experts: int):
+    """flat_ids: int32[M] expert of each (token, slot) pair, `num_experts` for pairs not
+    computed here -> (order int32[M], plan). `order` lists the pairs sorted by expert
+    (stable; the others last); the plan's group ends are counted without a scatter."""
+    order = jnp.argsort(flat_ids, stable=True).astype(jnp.int32)
+    experts = jnp.arange(num_experts, dtype=jnp.int32)
+    ends = jnp.sum(flat_ids[:, None] <= experts[None, :], axis=0, dtype=jnp.int32)  # [E]
+    num_rows = flat_ids.shape[0]
+    block_m = gmm_tuning.block_m_for(num_rows=num_rows, num_groups=num_experts)
+    return order, pallas_kernels.plan_groups(ends, num_rows=num_rows, block_m=block_m)
 
 
 # Above this many bytes of gathered expert weights the reference path sorts and uses
@@ -52,86 +59,132 @@ GATHER_LIMIT_BYTES = 1 << 26
 
 def experts_gathered(x, ids, gate_up, down, top_k):
     """Reference path for small batches: each (token, slot) pair reads its own expert's
-    weights. x: [T, D]; ids: int32[T, k] local expert ids -> [T, k, D]."""
+    weights. x: [T, D]; ids: int32[T, k] local expert ids; gate_up: [E, D, 2F]; down:
+    [E, F, D] (arrays or QuantizedWeights, dequantised per pair) -> [T, k, D]."""
     flat = ids.reshape(-1)  # [M]
     x_pairs = jnp.repeat(x, top_k, axis=0)  # [M, D]
     hi = jax.lax.Precision.HIGHEST
-    h = jnp.einsum("md,mdgf->mgf", x_pairs, gate_up[flat], precision=hi,
-                   preferred_element_type=jnp.float32)  # [M, 2, F]
-    act = (jax.nn.silu(h[:, 0]) * h[:, 1]).astype(x.dtype)  # [M, F]
-    y = jnp.einsum("mf,mfd->md", act, down[flat], precision=hi,
+    h = jnp.einsum("md,mdn->mn", x_pairs, dequantize(at(gate_up, flat), x.dtype),
+                   precision=hi, preferred_element_type=jnp.float32)  # [M, 2F]
+    ffn = h.shape[-1] // 2
+    act = (jax.nn.silu(h[:, :ffn]) * h[:, ffn:]).astype(x.dtype)  # [M, F]
+    y = jnp.einsum("mf,mfd->md", act, dequantize(at(down, flat), x.dtype), precision=hi,
                    preferred_element_type=jnp.float32).astype(x.dtype)  # [M, D]
     return y.reshape(x.shape[0], top_k, -1)
 
 
-def moe_local(x, valid, weights, ids, gate_up, down, *, first_expert, top_k, gmm,
-              gather_ok=False):
+def experts_sorted(x, flat_ids, gate_up, down, layer, *, top_k, gmm):
+    """Grouped matmuls over the expert-sorted pairs. x: [T, D]; flat_ids: int32[M];
+    gate_up: [X, E, D, 2F]; down: [X, E, F, D] (whole stacks, arrays or QuantizedWeights)
+    -> [T, k, D].
+
+    The gate/up call reads each pair's token row in place (lhs_rows) and the down call
+    stores each result at its pair's (token, slot) row (out_rows): no gathered or
+    scattered copies, and one plan for both calls."""
+    num_experts, ffn = gate_up.shape[1], down.shape[-2]
+    order, plan = dispatch(flat_ids, num_experts)
+    h = gmm(x, gate_up, plan=plan, layer=layer, lhs_rows=order // top_k)  # [M, 2F]
+    act = (jax.nn.silu(h[:, :ffn]) * h[:, ffn:]).astype(x.dtype)           # [M, F]
+    y = gmm(act, down, plan=plan, layer=layer, out_rows=order)            # [M, D]
+    return y.reshape(x.shape[0], top_k, -1)
+
+
+def moe_local(x, valid, weights, ids, gate_up, down, layer=None, *, first_expert, top_k,
+              gmm, gather_ok=False):
     """The experts this device holds (first_expert.. + E_local) over all tokens: pairs
-    routed elsewhere sort past the local groups and contribute nothing. Returns [T, D]."""
-    num_tokens, num_local = x.shape[0], gate_up.shape[0]
+    routed elsewhere sort past the local groups and contribute nothing. gate_up
+    [X, E_local, D, 2, F], down [X, E_local, F, D]: whole stacks (arrays or
+    QuantizedWeights) read at `layer`, or one layer's [E_local, ...] when layer is None.
+    Returns [T, D]."""
+    if layer is None:
+        gate_up, down, layer = at(gate_up, None), at(down, None), jnp.zeros((), jnp.int32)
+    gate_up = merge_pair(gate_up)                                          # [X, E, D, 2F]
+    num_tokens, (_, num_local, dim, width) = x.shape[0], gate_up.shape
     local_ids = ids - first_expert  # [T, k]
     mine = valid[:, None] & (local_ids >= 0) & (local_ids < num_local)
     combine = jnp.where(mine, weights, 0).astype(x.dtype)  # [T, k]
-    pair_bytes = num_tokens * top_k * (gate_up[0].size + down[0].size) * gate_up.dtype.itemsize
+    pair_bytes = num_tokens * top_k * 3 * dim * width // 2 * x.dtype.itemsize
     if gather_ok and pair_bytes <= GATHER_LIMIT_BYTES:
-        y = experts_gathered(x, jnp.where(mine, local_ids, 0), gate_up, down, top_k)
-        return jnp.einsum("tkd,tk->td", y, combine)
-    order, group_sizes = dispatch(jnp.where(mine, local_ids, num_local), valid, num_local)
-    x_sorted = x[order // top_k]  # [T*k, D]
-    y_sorted = experts_forward(x_sorted, gate_up, down, group_sizes, gmm)  # [T*k, D]
-    y = jnp.zeros_like(y_sorted).at[order].set(y_sorted)  # (token, slot) order
-    y = y.reshape(num_tokens, top_k, -1)  # [T, k, D]
-    return jnp.einsum("tkd,tk->td", y, combine)
+        y = experts_gathered(x, jnp.where(mine, local_ids, 0), at(gate_up, layer),
+                             at(down, layer), top_k)
+    else:
+        flat = jnp.where(mine, local_ids, num_local).reshape(-1)  # [M]
+        y = experts_sorted(x, flat, gate_up, down, layer, top_k=top_k, gmm=gmm)
+    # The weighted sum over the k slots, accumulated in fp32 like a dot.
+    out = jnp.sum(y.astype(jnp.float32) * combine.astype(jnp.float32)[..., None], axis=1)
+    return out.astype(x.dtype)
+
+
+def _experts_quant(quant, num_experts, projections):
+    """One format for the experts' stacked projections, if every one of them is quantised."""
+    formats = {quant(f"mlp.experts.{e}.{p}") for e in range(num_experts) for p in projections}
+    return formats.pop() if len(formats) == 1 else None
 
 
 class SparseMoE(nnx.Module):
     """HF `mlp` of an MoE layer. gate <- mlp.gate.weight.T;
     gate_up_proj[e] <- stack(experts.e.gate_proj.weight.T, experts.e.up_proj.weight.T)
     as [D, 2, F] (gate and up stay whole under an F-sharded tensor-parallel split);
-    down_proj[e] <- experts.e.down_proj.weight.T."""
+    down_proj[e] <- experts.e.down_proj.weight.T. Quantised experts keep their scales
+    beside them (gate_up_proj_scale, ...; see layers.init_weight); the router never is."""
 
-    def __init__(self, cfg, *, stack=(), dtype=jnp.float32, rngs=None):
+    def __init__(self, cfg, *, stack=(), dtype=jnp.float32, rngs=None, quant=no_quant):
         d, e, f = cfg.hidden_size, cfg.num_experts, cfg.moe_intermediate_size
         self.gate = init_param(rngs, (*stack, d, e), dtype)  # [D, E]
-        self.gate_up_proj = init_param(rngs, (*stack, e, d, 2, f), dtype)  # [E, D, 2, F]
-        self.down_proj = init_param(rngs, (*stack, e, f, d), dtype)  # [E, F, D]
+        self.gate_up_quant = _experts_quant(quant, e, ("gate_proj", "up_proj"))
+        self.down_quant = _experts_quant(quant, e, ("down_proj",))
+        init_weight(self, "gate_up_proj", rngs, (*stack, e, d, 2, f), dtype,
+                    self.gate_up_quant, pair=True)                          # [E, D, 2, F]
+        init_weight(self, "down_proj", rngs, (*stack, e, f, d), dtype, self.down_quant)
         self.top_k, self.norm_topk_prob = cfg.num_experts_per_tok, cfg.norm_topk_prob
 
-    def __call__(self, x: jax.Array, valid: jax.Array, rt: Runtime) -> jax.Array:
-        """x: [T, D]; valid: bool[T] -> [T, D]."""
-        weights, ids = route(x, self.gate[...], self.top_k, self.norm_topk_prob)  # [T, k]
+    def __call__(self, x: jax.Array, valid: jax.Array, rt: Runtime, layer) -> jax.Array:
+        """x: [T, D]; valid: bool[T]; layer: int32[] index into the stacks -> [T, D]."""
+        logits = matmul_op(rt)(x, (self.gate[...],), layer, out_dtype=jnp.float32)
+        weights, ids = route_logits(logits, self.top_k, self.norm_topk_prob)  # [T, k]
         gmm = pallas_kernels.ops(rt.impl).grouped_matmul
-        gate_up, down = self.gate_up_proj[...], self.down_proj[...]
+        gate_up = stored_weight(self, "gate_up_proj", self.gate_up_quant, pair=True)
+        down = stored_weight(self, "down_proj", self.down_quant)
         gather_ok = rt.impl == "reference"
         if rt.mesh is None:
-            return moe_local(x, valid, weights, ids, gate_up, down, first_expert=0,
+            return moe_local(x, valid, weights, ids, gate_up, down, layer, first_expert=0,
                              top_k=self.top_k, gmm=gmm, gather_ok=gather_ok)
 
-        def sharded(x, valid, weights, ids, gate_up, down):
+        def sharded(x, valid, weights, ids, gate_up, down, layer):
             # Tokens arrive replicated; each device runs its experts' F-slice and the
             # combine is one psum over both axes (experts and F partial sums).
-            first = jax.lax.axis_index("expert") * gate_up.shape[0]
-            y = moe_local(x, valid, weights, ids, gate_up, down, first_expert=first,
+            first = jax.lax.axis_index("expert") * gate_up.shape[1]
+            y = moe_local(x, valid, weights, ids, gate_up, down, layer, first_expert=first,
                           top_k=self.top_k, gmm=gmm, gather_ok=gather_ok)
             return jax.lax.psum(y, ("expert", "model"))
 
         rep = P()
         return jax.shard_map(
             sharded, mesh=rt.mesh,
-            in_specs=(rep, rep, rep, rep, P("expert", None, None, "model"),
-                      P("expert", "model", None)),
-            out_specs=rep, check_vma=False)(x, valid, weights, ids, gate_up, down)
+            in_specs=(rep, rep, rep, rep,
+                      weight_specs(gate_up, P(None, "expert", None, None, "model")),
+                      weight_specs(down, P(None, "expert", "model", None)), rep),
+            out_specs=rep, check_vma=False)(x, valid, weights, ids, gate_up, down, layer)
 
 
 class MLP(nnx.Module):
     """HF dense `mlp`: down(silu(gate(x)) * up(x))."""
 
-    def __init__(self, cfg, *, stack=(), dtype=jnp.float32, rngs=None):
+    def __init__(self, cfg, *, stack=(), dtype=jnp.float32, rngs=None, quant=no_quant):
         d, f = cfg.hidden_size, cfg.intermediate_size
-        self.gate_proj = Linear(d, f, stack=stack, dtype=dtype, rngs=rngs)
-        self.up_proj = Linear(d, f, stack=stack, dtype=dtype, rngs=rngs)
-        self.down_proj = Linear(f, d, stack=stack, dtype=dtype, rngs=rngs)
+        linear = lambda name, i, o: Linear(i, o, stack=stack, dtype=dtype, rngs=rngs,
+                                           quant=quant(f"mlp.{name}"))
+        self.gate_proj = linear("gate_proj", d, f)
+        self.up_proj = linear("up_proj", d, f)
+        self.down_proj = linear("down_proj", f, d)
 
-    def __call__(self, x: jax.Array, valid: jax.Array, rt: Runtime) -> jax.Array:
-        del valid, rt
-        return self.down_proj(jax.nn.silu(self.gate_proj(x)) * self.up_proj(x))
+    def __call__(self, x: jax.Array, valid: jax.Array, rt: Runtime, layer=None) -> jax.Array:
+        """x: [T, D] -> [T, D]; with `layer`, the params are stacked and read in place."""
+        del valid
+        if layer is None:  # per-layer view (sliced params)
+            return self.down_proj(jax.nn.silu(self.gate_proj(x)) * self.up_proj(x))
+        matmul = matmul_op(rt)
+        ffn = self.gate_proj.kernel.shape[-1]
+        h = matmul(x, (self.gate_proj.weight(), self.up_proj.weight()), layer)  # [T, 2F]
+        return matmul(jax.nn.silu(h[:, :ffn]) * h[:, ffn:], (self.down_proj.weight(),),
+                      layer)

@@ -6,18 +6,22 @@ from __future__ import annotations
 import dataclasses
 import math
 
+import jax
 import numpy as np
 from flax import nnx
 
 from qwen_jax.config import ModelConfig
-from qwen_jax.sharding import kv_replication, param_logical_axes, spec_for
+from qwen_jax.model import Qwen3ForCausalLM
+from qwen_jax.params import abstract_model, resolve_dtype
+from qwen_jax.quantization import resolve as resolve_quantization
+from qwen_jax.sharding import kv_replication, param_specs
 
 
 @dataclasses.dataclass(frozen=True)
 class _MeshShape:
     """Just the axis sizes: planning needs no devices."""
 
-    shape: dict
+    shape: dict[str, int]
 
 
 @dataclasses.dataclass(frozen=True)
@@ -29,15 +33,17 @@ class MemoryPlan:
     weight_bytes_per_device: int
     kv_bytes_per_page_per_device: int
     num_pages: int
-    block_size: int
+    page_size: int  # tokens per KV page (vLLM's option `block_size`)
+    weights: str = ""  # the weights' dtype, or their quantisation and the rest's dtype
 
     @property
     def max_concurrent_tokens(self) -> int:
-        return self.num_pages * self.block_size
+        return self.num_pages * self.page_size
 
     def summary(self) -> str:
         gb = 1e9
         return (f"TP={self.tensor_parallel_size} x EP={self.expert_parallel_size}: weights "
+                f"({self.weights}) "
                 f"{self.weight_bytes_per_device / gb:.1f} GB/device of "
                 f"{self.usable_bytes / gb:.1f} GB usable; KV "
                 f"{self.kv_bytes_per_page_per_device / 2**10:.0f} KiB/page/device -> "
@@ -48,40 +54,69 @@ def _itemsize(dtype) -> int:
     return np.dtype(dtype).itemsize
 
 
+def kv_bytes_per_page(cfg: ModelConfig, page_size: int, dtype,
+                      tensor_parallel_size: int = 1) -> int:
+    """K and V of every layer for one page of `page_size` tokens, on one device: its share
+    of the cache's heads (K / TP, or one copy of a head when TP > K)."""
+    tp = tensor_parallel_size
+    heads = cfg.num_key_value_heads * kv_replication(cfg.num_key_value_heads,
+                                                    _MeshShape({"model": tp})) // tp
+    return 2 * cfg.num_hidden_layers * page_size * max(heads, 1) * cfg.head_dim * _itemsize(dtype)
+
+
+def _abstract_params(cfg: ModelConfig, dtype="float32") -> nnx.State:
+    return nnx.state(abstract_model(cfg, dtype, model_cls=Qwen3ForCausalLM), nnx.Param)
+
+
+def param_count(cfg: ModelConfig) -> int:
+    """Parameters of the model (quantised or not: the float model's count)."""
+    params = _abstract_params(dataclasses.replace(cfg, quantization=None))
+    return sum(math.prod(x.shape) for x in jax.tree.leaves(params))
+
+
 def weight_bytes_per_device(cfg: ModelConfig, dtype, tp: int, ep: int) -> int:
-    """Bytes of the largest shard set one device holds, from abstract shapes alone."""
-    from qwen_jax.weights import abstract_model
+    """Bytes of the largest shard set one device holds, from abstract shapes alone: each
+    param in its own dtype (quantised weights, their scales and zero points as stored;
+    a split that breaks a quantisation block raises ValueError, as loading would)."""
     mesh = _MeshShape({"data": 1, "expert": ep, "model": tp})
+    values = {path: var.get_value()
+              for path, var in nnx.to_flat_state(_abstract_params(cfg, dtype))}
+    specs = param_specs({path: v.shape for path, v in values.items()}, mesh, cfg)
     total = 0
-    for path, var in nnx.to_flat_state(nnx.state(abstract_model(cfg, dtype), nnx.Param)):
-        shape = var.get_value().shape
-        spec = spec_for(param_logical_axes(path), shape, mesh, cfg.num_key_value_heads)
-        factor = math.prod(mesh.shape[a] for a in spec if a is not None)
-        total += math.prod(shape) // factor * _itemsize(dtype)
+    for path, value in values.items():
+        factor = math.prod(mesh.shape[a] for a in specs[path] if a is not None)
+        total += math.prod(value.shape) // factor * _itemsize(value.dtype)
     return total
 
 
 def plan_memory(cfg: ModelConfig, *, dtype="bfloat16", tensor_parallel_size: int = 1,
                 expert_parallel_size: int = 1, device_memory_bytes: int,
                 gpu_memory_utilization: float = 0.9, block_size: int = 16,
-                kv_cache_dtype=None) -> MemoryPlan:
-    """Raise ValueError (with the numbers) when the weights leave no room for the cache."""
-    from qwen_jax.weights import resolve_dtype
+                kv_cache_dtype=None, quantization: str | None = None) -> MemoryPlan:
+    """Raise ValueError (with the numbers) when the weights leave no room for the cache.
+    quantization: fp8 | int8 | awq weights (default: the checkpoint config's, if any)."""
     dtype = resolve_dtype(dtype)
+    cfg = dataclasses.replace(cfg, quantization=resolve_quantization(
+        cfg.quantization, quantization, dummy=True))
     tp, ep = tensor_parallel_size, expert_parallel_size
     weights = weight_bytes_per_device(cfg, dtype, tp, ep)
     usable = int(device_memory_bytes * gpu_memory_utilization)
-    heads = cfg.num_key_value_heads * kv_replication(cfg.num_key_value_heads,
-                                                    _MeshShape({"model": tp})) // tp
-    per_page = (2 * cfg.num_hidden_layers * block_size * max(heads, 1) * cfg.head_dim
-                * _itemsize(kv_cache_dtype or dtype))
+    per_page = kv_bytes_per_page(cfg, block_size, kv_cache_dtype or dtype, tp)
     num_pages = (usable - weights) // per_page
     if num_pages < 1:
         raise ValueError(
             f"layout cannot fit: weights need {weights / 1e9:.1f} GB per device with "
-            f"tensor_parallel_size={tp} x expert_parallel_size={ep} in {np.dtype(dtype).name}, "
+            f"tensor_parallel_size={tp} x expert_parallel_size={ep} in "
+            f"{_weights_name(cfg, dtype)}, "
             f"but only {usable / 1e9:.1f} GB are usable (gpu_memory_utilization="
             f"{gpu_memory_utilization} of {device_memory_bytes / 1e9:.1f} GB); add devices "
             f"or use a smaller dtype")
     return MemoryPlan(tp, ep, int(device_memory_bytes), usable, weights, per_page,
-                      int(num_pages), block_size)
+                      int(num_pages), block_size, _weights_name(cfg, dtype))
+
+
+def _weights_name(cfg: ModelConfig, dtype) -> str:
+    """"bfloat16", or "fp8, rest bfloat16" for a quantised model."""
+    if cfg.quantization is None:
+        return np.dtype(dtype).name
+    return f"{cfg.quantization.method}, rest {np.dtype(dtype).name}"

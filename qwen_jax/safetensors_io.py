@@ -33,7 +33,7 @@ class SafetensorsFile:
         header.pop("__metadata__", None)
         self.entries = header
         self.data_offset = 8 + header_len
-        self._mmap = None
+        self._mmap: np.memmap | None = None
 
     def get(self, name: str) -> np.ndarray:
         entry = self.entries[name]

@@ -9,10 +9,15 @@ from __future__ import annotations
 
 import dataclasses
 import logging
+from collections.abc import Mapping
+from typing import Protocol
 
 import jax
 import numpy as np
 from jax.sharding import AxisType, Mesh, NamedSharding, PartitionSpec
+
+from pallas_kernels.quantized import QuantizedWeight
+from qwen_jax.validation import require
 
 logger = logging.getLogger(__name__)
 
@@ -70,8 +75,7 @@ class ParallelConfig:
 
     def __post_init__(self):
         for name in ("tensor_parallel_size", "expert_parallel_size", "data_parallel_size"):
-            if getattr(self, name) < 1:
-                raise ValueError(f"{name} must be >= 1, got {getattr(self, name)}")
+            require(getattr(self, name) >= 1, name, getattr(self, name), ">= 1")
 
     @property
     def replica_size(self) -> int:
@@ -123,24 +127,41 @@ def make_mesh(tensor_parallel_size: int = 1, expert_parallel_size: int = 1,
     return Mesh(grid, MESH_AXES, axis_types=(AxisType.Auto,) * 3)
 
 
-def tp_size(mesh) -> int:
+class AxisSizes(Protocol):
+    """What the rules read of a mesh: its axis sizes (the planner has no devices)."""
+
+    @property
+    def shape(self) -> Mapping[str, int]: ...
+
+
+def tp_size(mesh: AxisSizes | None) -> int:
     return 1 if mesh is None else mesh.shape["model"]
 
 
-def ep_size(mesh: Mesh | None) -> int:
-    return 1 if mesh is None else mesh.shape["expert"]
-
-
-def kv_replication(num_kv_heads: int, mesh: Mesh | None) -> int:
+def kv_replication(num_kv_heads: int, mesh: AxisSizes | None) -> int:
     """How many copies of each KV head the cache holds: TP / K when TP > K (vLLM's scheme:
     every device keeps the one KV head its query heads read), else 1."""
     tp = tp_size(mesh)
     return tp // num_kv_heads if tp > num_kv_heads else 1
 
 
+# A quantised weight's scales and zero points: <weight>_scale, <weight>_zero.
+COMPANION_SUFFIXES = ("_scale", "_zero")
+
+
+def base_name(name: str) -> str:
+    """The weight a companion param belongs to ("kernel_scale" -> "kernel")."""
+    for suffix in COMPANION_SUFFIXES:
+        if name.endswith(suffix):
+            return name[:-len(suffix)]
+    return name
+
+
 def param_logical_axes(path: tuple) -> tuple:
-    """Logical axes of the parameter at `path` (an nnx state path)."""
+    """Logical axes of the parameter at `path` (an nnx state path); a quantised weight's
+    scales and zero points have their weight's axes (their dims count scale groups)."""
     names = tuple(p for p in path if isinstance(p, str))
+    names = names[:-1] + (base_name(names[-1]),)
     stacked = names[0] == "segments"
     for n in (2, 1):
         if names[-n:] in _PARAM_AXES:
@@ -149,14 +170,15 @@ def param_logical_axes(path: tuple) -> tuple:
     raise ValueError(f"no logical axes are declared for parameter {'/'.join(map(str, path))}")
 
 
-def spec_for(axes: tuple, shape: tuple, mesh: Mesh, num_kv_heads: int | None = None
+def spec_for(axes: tuple, shape: tuple, mesh: AxisSizes, num_kv_heads: int | None = None
              ) -> PartitionSpec:
     """PartitionSpec from logical axes via the table. A dim the mesh axis does not divide
     is replicated (vocab of a tiny model), and KV-head weights replicate when TP > K."""
     spec = []
     for axis, dim in zip(axes, shape):
         mesh_axis = LOGICAL_AXIS_RULES[axis]
-        if axis == "kv_heads" and num_kv_heads is not None and kv_replication(num_kv_heads, mesh) > 1:
+        replicated_kv = num_kv_heads is not None and kv_replication(num_kv_heads, mesh) > 1
+        if axis == "kv_heads" and replicated_kv:
             mesh_axis = None
         if mesh_axis is not None and dim % mesh.shape[mesh_axis]:
             logger.info("replicating a dim of %d over %s (not divisible by %d)", dim, mesh_axis,
@@ -169,6 +191,91 @@ def spec_for(axes: tuple, shape: tuple, mesh: Mesh, num_kv_heads: int | None = N
 def param_sharding(path, shape, mesh: Mesh, cfg) -> NamedSharding:
     axes = param_logical_axes(path)
     return NamedSharding(mesh, spec_for(axes, shape, mesh, cfg.num_key_value_heads))
+
+
+def param_specs(shapes: dict, mesh, cfg) -> dict:
+    """PartitionSpec of every param, {path: shape} in. A quantised weight's scales and zero
+    points follow its split (`companion_spec`), which must fall on whole quantisation
+    scale groups (`check_group_split`, ValueError naming the tensor otherwise)."""
+    specs = {}
+    for path, shape in shapes.items():
+        base = path[:-1] + (base_name(path[-1]),)
+        spec = spec_for(param_logical_axes(base), shapes[base], mesh, cfg.num_key_value_heads)
+        if base != path:
+            spec = companion_spec(spec, shapes[base], shape)
+        elif path[:-1] + (path[-1] + "_scale",) in shapes:
+            check_group_split(path, shape, spec, mesh, cfg)
+        specs[path] = spec
+    return specs
+
+
+def param_shardings(shapes: dict, mesh: Mesh, cfg) -> dict:
+    """NamedSharding of every param ({path: shape} in), as `param_specs`."""
+    return {path: NamedSharding(mesh, spec)
+            for path, spec in param_specs(shapes, mesh, cfg).items()}
+
+
+def companion_spec(spec: PartitionSpec, weight_shape, shape) -> PartitionSpec:
+    """The spec of a weight's scales or zero points: the weight's, except where they hold
+    one entry for the whole of a split dim (per-channel scales over K): replicated."""
+    return PartitionSpec(*(None if n == 1 and w > 1 else axis
+                           for axis, w, n in zip(spec, weight_shape, shape)))
+
+
+def weight_specs(weight, spec: PartitionSpec):
+    """shard_map specs of a weight operand: `spec` for a float array, and for a
+    QuantizedWeight the same spec for its values and companion specs for the rest."""
+    if not isinstance(weight, QuantizedWeight):
+        return spec
+    values = weight.values.shape
+    return dataclasses.replace(
+        weight, values=spec, scales=companion_spec(spec, values, weight.scales.shape),
+        zeros=None if weight.zeros is None else companion_spec(spec, values,
+                                                               weight.zeros.shape))
+
+
+def hf_name(path, cfg) -> str:
+    """The HF tensors a param holds, for messages: segments/0/mlp/gate_up_proj ->
+    model.layers.0-47.mlp.experts.*.gate_proj|up_proj."""
+    names = [str(p) for p in path]
+    if names[0] != "segments":
+        return ".".join(names)
+    _, first, count = cfg.segments[int(names[1])]
+    sub = [n for n in names[2:] if n != "kernel"]
+    if sub == ["mlp", "gate_up_proj"]:
+        sub = ["mlp", "experts", "*", "gate_proj|up_proj"]
+    elif sub == ["mlp", "down_proj"]:
+        sub = ["mlp", "experts", "*", "down_proj"]
+    return ".".join([f"model.layers.{first}-{first + count - 1}", *sub])
+
+
+_SPLIT_OPTIONS = {"model": "tensor_parallel_size", "expert": "expert_parallel_size"}
+
+
+def check_group_split(path, shape, spec, mesh, cfg) -> None:
+    """A quantised weight split over devices must give each device whole scale groups
+    along K and N (its scale rows and columns); ValueError naming the tensor, the split and
+    the group otherwise (vLLM refuses the same splits)."""
+    fmt = cfg.quantization.weight_format
+    axes = param_logical_axes(path)
+    k_dim = -3 if "gate_up" in axes else -2
+    fields = ({"fp8": "weight_block_size[1]", "int4": "group_size"},
+              {"fp8": "weight_block_size[0]"})
+    for dim, group, field in ((k_dim, fmt.group_k, fields[0]), (-1, fmt.group_n, fields[1])):
+        axis = spec[len(shape) + dim] if len(spec) >= len(shape) + dim + 1 else None
+        if axis is None or group is None or group == 1:
+            continue
+        size = shape[dim] * (2 if fmt.kind == "int4" and dim == k_dim else 1)
+        split = mesh.shape[axis]
+        if (size // split) % group:
+            hint = (" or shard the experts with expert_parallel_size instead"
+                    if "experts" in axes else "")
+            raise ValueError(
+                f"cannot split quantised weight {hf_name(path, cfg)}: "
+                f"{_SPLIT_OPTIONS.get(axis, axis)}={split} cuts its {axes[dim]} dim of {size} "
+                f"into {size // split}-wide shards, not a multiple of the {fmt.kind} scale "
+                f"block of {group} (quantization_config.{field[fmt.kind]}); use a split that "
+                f"keeps whole blocks{hint}")
 
 
 def kv_cache_sharding(mesh: Mesh) -> NamedSharding:

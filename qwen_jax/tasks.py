@@ -11,10 +11,11 @@ from __future__ import annotations
 
 import dataclasses
 import string
+from collections.abc import Callable
 
 import numpy as np
 
-from qwen_jax.tool_task import make_tool
+from qwen_jax.tool_task import ToolProblem
 
 TASKS = ("add", "reverse", "sort", "copy")  # one user message, one assistant turn
 ALL_TASKS = (*TASKS, "tool")  # + the two-turn tool task (qwen_jax/tool_task.py)
@@ -51,13 +52,6 @@ class Problem:
     def turns(self) -> list[tuple[list[dict], tuple, str]]:
         """(messages, tools, completion) for each assistant turn, as trained."""
         return [(self.messages, (), self.completion)]
-
-
-def final_answer(text: str) -> str:
-    """The reply after the think block, split as the server's `--reasoning-parser qwen3`
-    splits it ("" when the reply was cut off inside the think block)."""
-    from serving.reasoning import Qwen3ReasoningParser
-    return (Qwen3ReasoningParser.extract(text)[1] or "").strip()
 
 
 def _number(rng: np.random.Generator, max_digits: int) -> int:
@@ -105,8 +99,14 @@ def make_copy(rng: np.random.Generator, min_words: int = 150, max_words: int = 3
     return Problem("copy", "Remember the code.\n" + text.lstrip("\n"), code)
 
 
-MAKERS = {"add": make_add, "reverse": make_reverse, "sort": make_sort, "copy": make_copy,
-          "tool": make_tool}
+def make_tool(rng: np.random.Generator) -> ToolProblem:
+    return ToolProblem("tool", _number(rng, 3), _number(rng, 3))
+
+
+AnyProblem = Problem | ToolProblem
+MAKERS: dict[str, Callable[[np.random.Generator], AnyProblem]] = {
+    "add": make_add, "reverse": make_reverse, "sort": make_sort, "copy": make_copy,
+    "tool": make_tool}
 
 
 def task_rng(task: str, split: str, seed: int) -> np.random.Generator:
@@ -115,7 +115,7 @@ def task_rng(task: str, split: str, seed: int) -> np.random.Generator:
     return np.random.default_rng([_SPLIT_SEEDS[split], ALL_TASKS.index(task), seed])
 
 
-def problems(task: str, n: int, *, seed: int = 0, split: str = "eval") -> list[Problem]:
+def problems(task: str, n: int, *, seed: int = 0, split: str = "eval") -> list[AnyProblem]:
     """n problems of `task`, reproducible from (split, task, seed)."""
     if task not in MAKERS:
         raise ValueError(f"task must be one of {', '.join(ALL_TASKS)}, got {task!r}")

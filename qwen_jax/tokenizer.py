@@ -1,4 +1,4 @@
-"""Tokenizer, chat template and streaming detokenizer for a Hugging Face checkpoint directory.
+"""Tokenizer and chat template of a Hugging Face checkpoint directory.
 
 Reads `tokenizer.json` with the `tokenizers` library (never `transformers`), the special tokens
 and chat template from `tokenizer_config.json` / `chat_template.jinja`, and the extra EOS ids from
@@ -20,9 +20,6 @@ from jinja2.sandbox import ImmutableSandboxedEnvironment
 
 ROLES = ("system", "user", "assistant", "tool")
 _REASONING_FIELDS = ("reasoning_content", "reasoning", "thinking")
-_REPLACEMENT_CHAR = "\ufffd"
-# Prompt tokens decoded ahead of the output so the first output token is detokenized in context.
-_PROMPT_CONTEXT_TOKENS = 5
 
 
 def _read_json(path: Path) -> dict[str, Any]:
@@ -229,101 +226,3 @@ class Tokenizer:
             messages=normalize_messages(messages), tools=tools,
             add_generation_prompt=add_generation_prompt, **context)
         return self.encode(text) if tokenize else text
-
-
-class IncrementalDetokenizer:
-    """Turns a stream of output token ids into stable text deltas, applying stop strings.
-
-    Decodes a short window of tokens twice — without and with the newest token — and emits the
-    difference once it no longer ends in U+FFFD, so UTF-8 characters split across byte-level
-    tokens appear only when complete (vLLM's prefix/read offsets). The window starts in the
-    prompt so the first output token is decoded in context.
-    """
-
-    def __init__(self, tokenizer: Tokenizer, prompt_token_ids: Sequence[int], *,
-                 skip_special_tokens: bool = True, stop: Iterable[str] = (),
-                 include_stop_str_in_output: bool = False):
-        self._tokenizer = tokenizer
-        self._skip_special_tokens = skip_special_tokens
-        self._stops = tuple(s for s in stop if s)
-        self._include_stop = include_stop_str_in_output
-        # window = token ids from the prefix offset on; window[:read] is already in the text.
-        self._window = list(prompt_token_ids[-_PROMPT_CONTEXT_TOKENS:])
-        self._read = len(self._window)
-        self._text = ""
-        self._num_emitted = 0
-        self.stop_reason: str | None = None
-
-    @property
-    def text(self) -> str:
-        """All output text so far, cut at the stop string once one matched."""
-        return self._text
-
-    @property
-    def finished_by_stop(self) -> bool:
-        return self.stop_reason is not None
-
-    def add(self, token_ids: Iterable[int]) -> str:
-        """Appends output tokens; returns the text that became stable. Ignored after a stop."""
-        for token_id in token_ids:
-            if self.finished_by_stop:
-                break
-            num_chars = len(self._text)
-            self._text += self._step(token_id)
-            self._check_stop(num_chars)
-        return self._take_delta(final=self.finished_by_stop)
-
-    def flush(self) -> str:
-        """Call once the request ends for any reason but a stop string: returns the held-back tail
-        (a possible stop-string prefix, or an incomplete UTF-8 sequence as U+FFFD)."""
-        if not self.finished_by_stop and self._read < len(self._window):
-            num_chars = len(self._text)
-            prefix_text = self._decode(self._window[:self._read])
-            self._text += self._decode(self._window)[len(prefix_text):]
-            self._window, self._read = [], 0
-            self._check_stop(num_chars)
-        return self._take_delta(final=True)
-
-    def _decode(self, ids: list[int]) -> str:
-        return self._tokenizer.decode(ids, skip_special_tokens=self._skip_special_tokens)
-
-    def _step(self, token_id: int) -> str:
-        self._window.append(token_id)
-        prefix_text = self._decode(self._window[:self._read])
-        new_text = self._decode(self._window)
-        if len(new_text) <= len(prefix_text) or new_text.endswith(_REPLACEMENT_CHAR):
-            return ""  # nothing visible yet, or an incomplete multi-byte character
-        del self._window[:self._read]
-        self._read = len(self._window)
-        return new_text[len(prefix_text):]
-
-    def _check_stop(self, num_old_chars: int) -> None:
-        """Finds the earliest stop string ending in the new text and cuts the text there."""
-        if not self._stops or len(self._text) == num_old_chars:
-            return
-        start = max(0, num_old_chars - max(map(len, self._stops)) + 1)
-        found = [(i, s) for s in self._stops if (i := self._text.find(s, start)) >= 0]
-        if not found:
-            return
-        index, stop = min(found, key=lambda hit: hit[0])
-        self.stop_reason = stop
-        self._text = self._text[:index + len(stop) if self._include_stop else index]
-
-    def _held_back(self) -> int:
-        """Length of the longest text suffix that could begin a stop string."""
-        if self._include_stop:  # a stop string would stay in the output, so nothing to hide
-            return 0
-        longest = 0
-        for stop in self._stops:
-            for k in range(min(len(stop) - 1, len(self._text)), longest, -1):
-                if self._text.endswith(stop[:k]):
-                    longest = k
-                    break
-        return longest
-
-    def _take_delta(self, *, final: bool) -> str:
-        end = len(self._text) if final else len(self._text) - self._held_back()
-        end = max(end, self._num_emitted)
-        delta = self._text[self._num_emitted:end]
-        self._num_emitted = end
-        return delta

@@ -2,6 +2,13 @@
 
 Only the engine thread touches the engine: callers submit commands (add, abort) through a
 queue and await their result, and outputs come back on per-request asyncio queues.
+
+Failures come in two kinds. A step that raises leaves the device state untrusted (the KV
+cache was donated to the failed call) and the scheduler mid-step, so the engine is dead:
+every stream and every later call gets `EngineDeadError` and `dead_listeners` are told, so
+a server can report it and exit for its supervisor to restart it (vLLM's behaviour). A
+failure confined to one request's output (the engine ends it with finish_reason "error")
+raises `RequestFailedError` in that request's stream only.
 """
 
 from __future__ import annotations
@@ -22,7 +29,11 @@ logger = logging.getLogger(__name__)
 
 
 class EngineDeadError(RuntimeError):
-    pass
+    """The engine loop stopped after a failed step; nothing more will run."""
+
+
+class RequestFailedError(RuntimeError):
+    """The engine failed this one request; it goes on serving the others."""
 
 
 class AsyncLLM:
@@ -42,6 +53,8 @@ class AsyncLLM:
         self.dead: BaseException | None = None
         # Called on the engine thread after every step with (step stats, outputs).
         self.step_listeners: list[Callable[[dict, list[RequestOutput]], None]] = []
+        # Called once, on the engine thread, with the exception that killed the engine.
+        self.dead_listeners: list[Callable[[BaseException], None]] = []
         self._stats = self.engine.stats()
         self._thread = threading.Thread(target=self._loop, name="qwen-jax-engine", daemon=True)
         self._thread.start()
@@ -61,6 +74,8 @@ class AsyncLLM:
         """Stream cumulative RequestOutputs until the request finishes. Leaving the loop
         early (or cancelling the task) aborts the request and frees its pages."""
         request_id = request_id or uuid.uuid4().hex
+        # The stream is registered before the engine sees the request (its first output
+        # must find it), so a second one must not replace it: the engine's check is too late.
         if request_id in self._streams:
             raise ValueError(f"request_id {request_id!r} is already in use")
         stream: asyncio.Queue = asyncio.Queue()
@@ -74,6 +89,9 @@ class AsyncLLM:
                 if isinstance(item, BaseException):
                     finished = True
                     raise item
+                if item.error is not None:
+                    finished = True
+                    raise RequestFailedError(f"request {request_id} failed: {item.error}")
                 finished = item.finished
                 yield item
                 if finished:
@@ -94,14 +112,20 @@ class AsyncLLM:
         loop = asyncio.get_running_loop()
         deadline = loop.time() + timeout
         while loop.time() < deadline:
-            if not await self._call(self.engine.has_unfinished_requests):
-                return True
+            try:
+                if not await self._call(self.engine.has_unfinished_requests):
+                    return True
+            except EngineDeadError:  # never idle; its streams have had the error
+                return False
             await asyncio.sleep(0.05)
         return False
 
     async def abort_all(self) -> None:
         for request_id in list(self._streams):
-            await self.abort(request_id)
+            try:
+                await self.abort(request_id)
+            except EngineDeadError:  # its streams have had the error already
+                return
 
     def shutdown(self) -> None:
         self._running = False
@@ -112,7 +136,7 @@ class AsyncLLM:
     def _submit(self, fn, *args, **kwargs) -> concurrent.futures.Future:
         future: concurrent.futures.Future = concurrent.futures.Future()
         if self.dead is not None:
-            future.set_exception(EngineDeadError(f"engine loop died: {self.dead!r}"))
+            future.set_exception(self._dead_error())
             return future
         self._commands.put((fn, args, kwargs, future))
         self._wake.set()
@@ -124,21 +148,23 @@ class AsyncLLM:
     def _loop(self) -> None:
         while self._running:
             self._wake.clear()
-            self._run_commands()
-            if not self.engine.has_unfinished_requests():
-                self._wake.wait(timeout=1.0)
-                continue
             try:
+                self._run_commands()
+                if self.dead is not None or not self.engine.has_unfinished_requests():
+                    self._wake.wait(timeout=1.0)
+                    continue
                 outputs = self.engine.step()
-            except Exception as exc:  # a failed step must not leave callers hanging
-                logger.exception("engine step failed")
-                self._fail_all(exc)
+            except Exception as exc:  # a failed step, or any other: never a silent death
+                self._die(exc)
                 continue
             self._stats = self.engine.stats()
             for output in outputs:
                 self._deliver(output.request_id, output)
             for listener in self.step_listeners:
-                listener(self.engine.last_step, outputs)
+                try:
+                    listener(self.engine.last_step, outputs)
+                except Exception:  # an observer's bug must not stop the engine
+                    logger.exception("step listener %r failed", listener)
 
     def _run_commands(self) -> None:
         while True:
@@ -146,6 +172,11 @@ class AsyncLLM:
                 fn, args, kwargs, future = self._commands.get_nowait()
             except queue.Empty:
                 break
+            if not future.set_running_or_notify_cancel():
+                continue  # its caller went away (a client disconnect) before it ran
+            if self.dead is not None:  # queued before the engine died: nothing will run
+                future.set_exception(self._dead_error())
+                continue
             try:
                 future.set_result(fn(*args, **kwargs))
             except Exception as exc:
@@ -156,9 +187,22 @@ class AsyncLLM:
         target = self._streams.get(request_id)
         if target is not None:
             loop, stream = target
-            loop.call_soon_threadsafe(stream.put_nowait, item)
+            try:
+                loop.call_soon_threadsafe(stream.put_nowait, item)
+            except RuntimeError:  # its event loop has closed: nobody is left to read it
+                pass
 
-    def _fail_all(self, exc: Exception) -> None:
-        for request_id in self.engine.request_ids():
-            self.engine.abort(request_id)
-            self._deliver(request_id, RuntimeError(f"engine step failed: {exc}"))
+    def _dead_error(self) -> EngineDeadError:
+        return EngineDeadError(f"engine is dead after a failed step ({self.dead!r}); the "
+                               "server must be restarted")
+
+    def _die(self, exc: Exception) -> None:
+        if self.dead is not None:
+            logger.exception("engine loop error after its death", exc_info=exc)
+            return
+        logger.critical("engine step failed; the engine is dead", exc_info=exc)
+        self.dead = exc
+        for request_id in list(self._streams):
+            self._deliver(request_id, self._dead_error())
+        for listener in self.dead_listeners:
+            listener(exc)

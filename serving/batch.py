@@ -13,15 +13,17 @@ from collections.abc import Sequence
 
 import numpy as np
 
-from serving.buckets import pick_bucket
+from serving.buckets import pick_bucket, pick_seq_bucket
 from serving.scheduler import SchedulerOutput
 
 
 @dataclasses.dataclass
 class ModelInputs:
+    """One padded step's host arrays (serving/runner.StepInputs carries them to the step)."""
+
     token_ids: np.ndarray  # int32[T]
     positions: np.ndarray  # int32[T]
-    slot_mapping: np.ndarray  # int32[T]: page_id * block_size + offset; padding -> 0
+    slot_mapping: np.ndarray  # int32[T]: page_id * page_size + offset; padding -> 0
     query_start: np.ndarray  # int32[S+1]: cumulative chunk lengths
     kv_lens: np.ndarray  # int32[S]: tokens in the cache after this step; 0 for padding
     page_table: np.ndarray  # int32[S, pages_per_seq]; 0 for unused entries
@@ -41,14 +43,9 @@ class ModelInputs:
     def bucket(self) -> tuple[int, int]:
         return self.padded_num_tokens, self.padded_num_seqs
 
-    def arrays(self) -> dict[str, np.ndarray]:
-        """The device-bound fields (everything but the host-side token count)."""
-        return {f.name: getattr(self, f.name) for f in dataclasses.fields(self)
-                if f.name != "num_tokens"}
-
 
 def build_model_inputs(scheduler_output: SchedulerOutput, token_buckets: Sequence[int],
-                       seq_buckets: Sequence[int], block_size: int,
+                       seq_buckets: Sequence[int], page_size: int,
                        pages_per_seq: int) -> ModelInputs:
     scheduled = scheduler_output.scheduled
     num_seqs = len(scheduled)
@@ -56,7 +53,7 @@ def build_model_inputs(scheduler_output: SchedulerOutput, token_buckets: Sequenc
     starts = np.fromiter((s.start for s in scheduled), np.int32, num_seqs)
     num_tokens = int(num_new.sum())
     T = pick_bucket(num_tokens, token_buckets)
-    S = pick_bucket(num_seqs, seq_buckets)
+    S = pick_seq_bucket(T, num_seqs, seq_buckets)
 
     query_start = np.full(S + 1, num_tokens, np.int32)
     query_start[0] = 0
@@ -73,8 +70,8 @@ def build_model_inputs(scheduler_output: SchedulerOutput, token_buckets: Sequenc
     positions[:num_tokens] = (np.arange(num_tokens, dtype=np.int32)
                               - query_start[seq_of_token] + starts[seq_of_token])
     slot_mapping = np.zeros(T, np.int32)
-    pages = page_table[seq_of_token, positions[:num_tokens] // block_size]
-    slot_mapping[:num_tokens] = pages * block_size + positions[:num_tokens] % block_size
+    pages = page_table[seq_of_token, positions[:num_tokens] // page_size]
+    slot_mapping[:num_tokens] = pages * page_size + positions[:num_tokens] % page_size
 
     token_ids = np.zeros(T, np.int32)
     token_ids[:num_tokens] = np.fromiter(
@@ -88,14 +85,14 @@ def build_model_inputs(scheduler_output: SchedulerOutput, token_buckets: Sequenc
 
 
 def _page_table(scheduled, num_padded_seqs: int, pages_per_seq: int) -> np.ndarray:
-    """Rows of block ids, zero-filled; one flat fill through a row-major mask."""
-    lens = np.fromiter((len(s.request.block_ids) for s in scheduled), np.int64, len(scheduled))
+    """Rows of page ids, zero-filled; one flat fill through a row-major mask."""
+    lens = np.fromiter((len(s.request.page_ids) for s in scheduled), np.int64, len(scheduled))
     if len(lens) and lens.max() > pages_per_seq:
         raise ValueError(f"a request holds {lens.max()} pages, more than "
                          f"pages_per_seq={pages_per_seq}")
     page_table = np.zeros((num_padded_seqs, pages_per_seq), np.int32)
     mask = np.arange(pages_per_seq) < lens[:, None]
     page_table[:len(scheduled)][mask] = np.fromiter(
-        itertools.chain.from_iterable(s.request.block_ids for s in scheduled),
+        itertools.chain.from_iterable(s.request.page_ids for s in scheduled),
         np.int32, int(lens.sum()))
     return page_table

@@ -5,6 +5,9 @@ from __future__ import annotations
 
 import dataclasses
 
+from serving.reasoning import Qwen3ReasoningParser
+from serving.tool_parsers import HermesToolParser
+
 
 @dataclasses.dataclass(frozen=True)
 class ReplyFormat:
@@ -12,9 +15,9 @@ class ReplyFormat:
     the content; `tools_finish`: the finish_reason of a reply with calls ("tool_calls", or
     "stop" for a named tool_choice, as vLLM and OpenAI answer)."""
 
-    reasoning_parser: type | None = None
+    reasoning_parser: type[Qwen3ReasoningParser] | None = None
     include_reasoning: bool = True
-    tool_parser: type | None = None
+    tool_parser: type[HermesToolParser] | None = None
     tool_names: tuple[str, ...] | None = None
     max_calls: int | None = None  # 1 without parallel_tool_calls
     tools_finish: str = "tool_calls"
@@ -59,7 +62,7 @@ class ReplyStream:
         delta = {}
         if reasoning:
             delta.update(self.fmt._reasoning_fields(reasoning))
-        calls = []
+        calls: list[dict] = []
         if self.tools is not None:
             content, calls = self.tools.feed(content, finished)
             if finished:

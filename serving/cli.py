@@ -11,7 +11,7 @@ import argparse
 import sys
 import time
 
-DTYPES = ("float32", "bfloat16", "float16")
+from qwen_jax.options import PARAM_DTYPES, QUANTIZATION_METHODS
 
 
 # ---- convert ---------------------------------------------------------------------------
@@ -22,8 +22,11 @@ def _add_convert(subparsers) -> None:
                     "and save its params with orbax, plus config.json and tokenizer files.")
     p.add_argument("--model", required=True, help="HF checkpoint directory or preset name")
     p.add_argument("--output", required=True, help="directory to write the orbax checkpoint to")
-    p.add_argument("--dtype", default="float32", choices=DTYPES,
+    p.add_argument("--dtype", default="float32", choices=PARAM_DTYPES,
                    help="parameter dtype of the saved checkpoint (default: float32)")
+    p.add_argument("--quantization", "-q", default=None, choices=QUANTIZATION_METHODS,
+                   help="save quantised weights: fp8 | int8 quantise a float checkpoint "
+                        "(fp8 / AWQ checkpoints stay quantised without it)")
     p.set_defaults(func=_run_convert)
 
 
@@ -31,16 +34,20 @@ def _run_convert(args) -> int:
     from pathlib import Path
 
     from qwen_jax import checkpoint
-    from qwen_jax.weights import load_model, param_count
+    from qwen_jax.model import Qwen3ForCausalLM
+    from qwen_jax.planner import param_count
 
     start = time.perf_counter()
-    model = load_model(args.model, dtype=args.dtype, load_format="auto")
+    model = Qwen3ForCausalLM.from_pretrained(args.model, args.dtype,
+                                             quantization=args.quantization)
     source_dir = args.model if Path(args.model).is_dir() else None
     out = checkpoint.save(model, args.output, source_dir=source_dir)
     seconds = time.perf_counter() - start
     num_params = param_count(model.config)
+    quantization = model.config.quantization
+    weights = args.dtype if quantization is None else f"{quantization.method}, rest {args.dtype}"
     print(f"converted {args.model} -> {out}: {num_params:,} params ({num_params / 1e9:.2f} B), "
-          f"{args.dtype}, {seconds:.1f} s")
+          f"{weights}, {seconds:.1f} s")
     return 0
 
 
@@ -58,7 +65,7 @@ _SAMPLING_OPTIONS = (  # (flag, type, SamplingParams field)
 def _add_generate(subparsers) -> None:
     from serving.cli_args import add_engine_args
     p = subparsers.add_parser(
-        "generate", help="offline batch generation over a JSONL file (resumable)",
+        "generate", help="offline generation over a JSONL file (resumable)",
         description="Each input line: {\"id\", \"prompt\" (text or token ids) | \"messages\", "
                     "optional SamplingParams fields, e.g. \"structured_outputs\": {\"json\": "
                     "SCHEMA}}. One result line per id is appended to --output as it "
@@ -82,8 +89,8 @@ def _add_generate(subparsers) -> None:
 def _run_generate(args) -> int:
     import json
 
-    from qwen_jax.batch import generate_file
     from serving.cli_args import engine_kwargs
+    from serving.generate_file import generate_file
 
     sampling = {k[3:]: v for k, v in vars(args).items() if k.startswith("sp_") and v is not None}
     summary = generate_file(args.input, args.output, model=args.model,
@@ -114,10 +121,13 @@ def _add_bench(subparsers) -> None:
 
 
 def _run_bench_serve(args) -> int:
-    from serving.bench.serve import bench_serve
+    from serving.bench.load_generator import bench_serve, plot_files
     try:
+        if args.plot_results:
+            print(f"plot: {plot_files(args)}")
+            return 0
         report = bench_serve(args)
-    except (ValueError, RuntimeError) as e:
+    except (ValueError, RuntimeError, OSError) as e:
         print(f"bench serve: {e}", file=sys.stderr)
         return 2
     return 0 if report["completed"] else 1
@@ -155,6 +165,13 @@ def _add_serve(subparsers) -> None:
                         "message.reasoning_content (delta.reasoning_content when streamed), "
                         "the rest to content (default: none, all in content)")
     _add_chat_args(p)
+    p.add_argument("--allowed-origins", nargs="+", default=None, metavar="ORIGIN",
+                   help="CORS: origins browsers may call the API from (e.g. "
+                        "https://app.example.com; '*' for any; a JSON list as vLLM takes "
+                        "works too); default none, no CORS headers")
+    p.add_argument("--metrics-prefix", default="qwen_jax", choices=("qwen_jax", "vllm"),
+                   help="name /metrics with vLLM's names (vllm:...) so vLLM dashboards and "
+                        "autoscalers work unchanged (default: qwen_jax:...)")
     add_engine_args(p)
     p.set_defaults(func=_run_serve)
 
@@ -189,7 +206,7 @@ def _add_chat_args(p) -> None:
 
 def _run_serve(args) -> int:
     from serving.cli_args import engine_kwargs
-    from serving.serve import run
+    from serving.server import run
     return run(args, engine_kwargs(args))
 
 
@@ -198,13 +215,15 @@ def _add_plan(subparsers) -> None:
     p = subparsers.add_parser(
         "plan", help="memory plan: per-device weights, KV pages and tokens for a layout")
     p.add_argument("--model", required=True, help="checkpoint directory or preset name")
-    p.add_argument("--dtype", default="bfloat16", choices=DTYPES)
+    p.add_argument("--dtype", default="bfloat16", choices=PARAM_DTYPES)
     p.add_argument("--tensor-parallel-size", "-tp", type=int, default=1)
     p.add_argument("--expert-parallel-size", "-ep", type=int, default=1)
     p.add_argument("--device-memory-gb", type=float, default=141.0,
                    help="memory of one device in GB (default: an H200's 141)")
     p.add_argument("--gpu-memory-utilization", type=float, default=0.9)
     p.add_argument("--block-size", type=int, default=16)
+    p.add_argument("--quantization", "-q", default=None, choices=QUANTIZATION_METHODS,
+                   help="weights in fp8 | int8 | awq (int4) (default: the checkpoint's)")
     p.set_defaults(func=_run_plan)
 
 
@@ -217,11 +236,11 @@ def _run_plan(args) -> int:
                            expert_parallel_size=args.expert_parallel_size,
                            device_memory_bytes=int(args.device_memory_gb * 1e9),
                            gpu_memory_utilization=args.gpu_memory_utilization,
-                           block_size=args.block_size)
+                           block_size=args.block_size, quantization=args.quantization)
     except ValueError as exc:
         print(f"error: {exc}", file=sys.stderr)
         return 1
-    print(f"{args.model} ({args.dtype}) {plan.summary()}")
+    print(f"{args.model} {plan.summary()}")
     return 0
 
 

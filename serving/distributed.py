@@ -14,8 +14,7 @@ import logging
 import jax
 import numpy as np
 
-from serving.batch import ModelInputs
-from serving.runner import padding_inputs, padding_sampling
+from serving.runner import StepInputs, padding_inputs, padding_sampling
 from serving.sampler import SamplingArrays
 
 logger = logging.getLogger(__name__)
@@ -54,37 +53,36 @@ def _broadcast(tree):
     return multihost_utils.broadcast_one_to_all(tree)
 
 
-def _as_tree(inputs: ModelInputs, sampling: SamplingArrays):
-    return inputs.arrays(), dataclasses.asdict(sampling)
-
-
-def publish_step(inputs: ModelInputs, sampling: SamplingArrays) -> None:
+def publish_step(inputs: StepInputs, sampling: SamplingArrays) -> None:
     """Process 0: send this step's inputs to every other process."""
-    header = np.array([_STEP, inputs.padded_num_tokens, inputs.padded_num_seqs], np.int32)
-    _broadcast(header)
-    _broadcast(_as_tree(inputs, sampling))
+    _broadcast(np.array([_STEP, *inputs.bucket], np.int32))
+    # Structured outputs are refused with several processes, so the grammar mask is the
+    # inactive one every follower builds itself: it is not sent.
+    _broadcast((inputs, dataclasses.replace(sampling, token_mask=None)))
 
 
 def publish_stop() -> None:
     _broadcast(np.array([_STOP, 0, 0], np.int32))
 
 
-def receive_step(pages_per_seq: int, max_model_len: int):
-    """Followers: the next step's (ModelInputs, SamplingArrays), or None on stop."""
+def receive_step(pages_per_seq: int, max_model_len: int, vocab_size: int
+                 ) -> tuple[StepInputs, SamplingArrays] | None:
+    """Followers: the next step's inputs, or None on stop."""
     command, num_tokens, num_seqs = (int(x) for x in _broadcast(np.zeros(3, np.int32)))
     if command == _STOP:
         return None
-    template = _as_tree(padding_inputs(num_tokens, num_seqs, pages_per_seq),
-                        padding_sampling(num_seqs, max_model_len))
-    arrays, sampling = jax.tree.map(np.asarray, _broadcast(template))
-    inputs = ModelInputs(**arrays, num_tokens=int(arrays["query_start"][int(arrays["num_seqs"])]))
-    return inputs, SamplingArrays(**sampling)
+    padding = padding_sampling(num_seqs, max_model_len, vocab_size)
+    template = (StepInputs.from_batch(padding_inputs(num_tokens, num_seqs, pages_per_seq)),
+                dataclasses.replace(padding, token_mask=None))
+    inputs, sampling = jax.tree.map(np.asarray, _broadcast(template))
+    return inputs, dataclasses.replace(sampling, token_mask=padding.token_mask)
 
 
 def follower_loop(engine) -> int:
     """Run the leader's steps until it stops; returns the number of steps run."""
     steps = 0
-    while (step := receive_step(engine.pages_per_seq, engine.max_model_len)) is not None:
+    while (step := receive_step(engine.pages_per_seq, engine.max_model_len,
+                                engine.model_config.vocab_size)) is not None:
         engine.runner.execute(*step)
         steps += 1
     return steps

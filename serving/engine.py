@@ -11,20 +11,34 @@ import jax
 import numpy as np
 
 from qwen_jax.config import ModelConfig
+from qwen_jax.model import Qwen3ForCausalLM
+from qwen_jax.params import resolve_kv_cache_dtype
+from qwen_jax.planner import kv_bytes_per_page
 from qwen_jax.sharding import make_mesh, tp_size
-from qwen_jax.weights import DEFAULT_MODEL_DIR, load_model, resolve_model_path
+from qwen_jax.tokenizer import Tokenizer
+from qwen_jax.weights import DEFAULT_MODEL_DIR, resolve_model_path
 from serving import distributed, kv_cache
 from serving.batch import build_model_inputs
 from serving.buckets import bucket_pairs, pick_bucket
+from serving.detokenizer import IncrementalDetokenizer
 from serving.engine_config import EngineConfig
 from serving.generation_config import sampling_defaults
+from serving.host_kv import HostKVStore
 from serving.kv_cache_manager import KVCacheManager
 from serving.output_processor import OutputProcessor, ParentState, SeqState
 from serving.request import Request, RequestOutput, RequestStatus, SamplingParams
-from serving.runner import ModelRunner, default_compilation_cache_dir, enable_compilation_cache
-from serving.sampler import NUM_BLOCKED, build_sampling_arrays, uses_penalties
-from serving.scheduler import Scheduler
-from serving.structured import GrammarCompiler, MaskBuilder
+from serving.runner import (
+    ModelRunner,
+    StepInputs,
+    default_compilation_cache_dir,
+    enable_compilation_cache,
+)
+from serving.sampler import NUM_BLOCKED, SamplingEntry, build_sampling_arrays, uses_penalties
+from serving.scheduler import Scheduler, SchedulerOutput
+from serving.step_cost import StepShape
+from serving.structured import GrammarCompiler, Guide, MaskBuilder
+from serving.structured_params import StructuredOutputsParams
+from serving.swap import SwapManager
 
 logger = logging.getLogger(__name__)
 DEFAULT_MAX_MODEL_LEN = 4096
@@ -37,12 +51,14 @@ class LLMEngine:
     def __init__(self, config: EngineConfig, devices=None):
         self.config = config
         cache_dir = config.compilation_cache_dir
-        enable_compilation_cache(default_compilation_cache_dir() if cache_dir == "default" else cache_dir)
+        enable_compilation_cache(
+            default_compilation_cache_dir() if cache_dir == "default" else cache_dir)
         started = time.perf_counter()
         self.model_path = resolve_model_path(config.model or DEFAULT_MODEL_DIR)
         self.mesh = self._make_mesh(devices)
-        self.model = load_model(self.model_path, dtype=self._dtype(), impl=self._impl(),
-                                load_format=config.load_format, seed=config.seed, mesh=self.mesh)
+        self.model = Qwen3ForCausalLM.from_pretrained(
+            self.model_path, self._dtype(), impl=self._impl(), load_format=config.load_format,
+            seed=config.seed, mesh=self.mesh, quantization=config.quantization)
         self.load_seconds = time.perf_counter() - started
         self.model_config = self.model.config
         self.tokenizer = self._load_tokenizer()
@@ -63,6 +79,8 @@ class LLMEngine:
         if config.precompile:
             self.compile_seconds = self.runner.precompile(self.bucket_pairs,
                                                           progress=config.show_progress)
+            if self.host_kv is not None:
+                self.host_kv.compile(self.runner.kv_caches)
 
     # ---- construction ------------------------------------------------------------------
     def _dtype(self) -> str:
@@ -81,8 +99,7 @@ class LLMEngine:
     def _impl(self) -> str | None:
         return None if self.config.impl == "auto" else self.config.impl
 
-    def _load_tokenizer(self):
-        from qwen_jax.tokenizer import Tokenizer
+    def _load_tokenizer(self) -> Tokenizer | None:
         path = Path(self.config.tokenizer or self.model_path)
         return Tokenizer.from_dir(path) if path.is_dir() else None
 
@@ -93,33 +110,49 @@ class LLMEngine:
             sched = dataclasses.replace(sched, max_model_len=min(
                 DEFAULT_MAX_MODEL_LEN, self.model_config.max_position_embeddings))
         self.scheduler_config = sched
-        if sched.max_model_len > self.model_config.max_position_embeddings:
+        if self.max_model_len > self.model_config.max_position_embeddings:
             raise ValueError(
-                f"max_model_len={sched.max_model_len} exceeds the model's "
+                f"max_model_len={self.max_model_len} exceeds the model's "
                 f"max_position_embeddings={self.model_config.max_position_embeddings}")
-        self.block_size = cache.block_size
-        self.pages_per_seq = sched.pages_per_seq(cache.block_size)
-        dtype = kv_cache.kv_cache_dtype(cache.kv_cache_dtype, self.model.dtype)
+        self.page_size = cache.block_size  # vLLM's option name for the page size
+        self.pages_per_seq = sched.pages_per_seq(self.page_size)
+        dtype = resolve_kv_cache_dtype(cache.kv_cache_dtype, self.model.dtype)
         max_pages = 1 + sched.max_num_seqs * self.pages_per_seq
-        heads = self.model.num_cache_kv_heads // tp_size(self.mesh)  # per device
-        self.bytes_per_page = kv_cache.bytes_per_page(self.model_config, cache.block_size, dtype,
-                                                      heads)
+        self.bytes_per_page = kv_bytes_per_page(self.model_config, self.page_size, dtype,
+                                                tp_size(self.mesh))
+        self.kv_cache_dtype = dtype
         self.num_pages = kv_cache.num_pages_to_allocate(cache, self.bytes_per_page, max_pages)
-        caches = kv_cache.allocate(self.model, self.num_pages, cache.block_size, dtype)
-        self.kv_manager = KVCacheManager(self.num_pages, cache.block_size,
+        caches = kv_cache.allocate(self.model, self.num_pages, self.page_size, dtype)
+        self.kv_manager = KVCacheManager(self.num_pages, self.page_size,
                                          cache.enable_prefix_caching)
-        self.scheduler = Scheduler(sched, self.kv_manager)
-        self.runner = ModelRunner(self.model, caches, max_model_len=sched.max_model_len,
+        self.scheduler = Scheduler(sched, self.kv_manager, swap=self._swap_manager())
+        self.runner = ModelRunner(self.model, caches, max_model_len=self.max_model_len,
                                   pages_per_seq=self.pages_per_seq, mesh=self.mesh)
         self.bucket_pairs = bucket_pairs(sched.token_bucket_sizes, sched.seq_bucket_sizes)
 
+    def _swap_manager(self) -> SwapManager:
+        """Host pages for `swap_space` GiB (per device, as vLLM counts it)."""
+        cache = self.config.cache
+        num_host_pages = int(cache.swap_space * 2**30) // self.bytes_per_page
+        if num_host_pages and distributed.is_multiprocess():
+            raise ValueError(f"swap_space={cache.swap_space} is not supported with multiple "
+                             "processes; use 0 (recompute)")
+        self.host_kv = (HostKVStore(self.num_pages, self.pages_per_seq) if num_host_pages
+                        else None)
+        return SwapManager(num_host_pages, cache.swap_min_tokens)
+
     @property
     def max_model_len(self) -> int:
-        return self.scheduler_config.max_model_len
+        return self.scheduler_config.resolved_max_model_len
+
+    @property
+    def devices(self) -> list:
+        """The devices this replica runs on."""
+        return [jax.devices()[0]] if self.mesh is None else list(self.mesh.devices.flat)
 
     @property
     def kv_capacity_tokens(self) -> int:
-        return self.kv_manager.num_total_blocks * self.block_size
+        return self.kv_manager.num_total_pages * self.page_size
 
     # ---- requests ----------------------------------------------------------------------
     def tokenize_prompt(self, prompt) -> tuple[str | None, list[int]]:
@@ -150,27 +183,26 @@ class LLMEngine:
         """Queue a request. `stream=False` makes `step` return its output only once it
         has finished (no per-token output objects: what offline generation needs)."""
         params = sampling_params or SamplingParams()
+        # Request ids, not sequence ids: a request's first sample can finish (and leave the
+        # scheduler) while its others run, so the scheduler's own check cannot cover them.
         if request_id in self._parents:
             raise ValueError(f"request_id {request_id!r} is already in use")
         text, ids = self.tokenize_prompt(prompt)
-        if not ids:
-            raise ValueError("prompt must contain at least one token, got an empty prompt")
-        if len(ids) > self.max_model_len:
-            raise ValueError(f"prompt has {len(ids)} tokens, more than "
-                             f"max_model_len={self.max_model_len}")
         blocked = self._blocked_ids(params)
-        prompt_lps = (None if params.prompt_logprobs is None
-                      else self._prompt_logprobs(ids, params.prompt_logprobs))
         children = []
         try:
             for i in range(params.n):
                 child_id = request_id if params.n == 1 else f"{i}_{request_id}"
+                # Request checks the prompt is non-empty; the scheduler checks its length
+                # and that the cache can ever hold it (before prompt logprobs are computed).
                 request = Request(request_id=child_id, prompt_token_ids=ids, sampling_params=params,
-                                  eos_token_id=None, priority=priority,
-                                  **({"arrival_time": arrival_time} if arrival_time else {}))
+                                  priority=priority,
+                                  arrival_time=arrival_time or time.monotonic())
                 self.scheduler.add_request(request)
                 children.append(self._seq_state(request, request_id, i, params, ids, blocked))
                 children[-1].guide = self._guide(params, ids)
+            prompt_lps = (None if params.prompt_logprobs is None
+                          else self._prompt_logprobs(ids, params.prompt_logprobs))
         except Exception:
             for child in children:
                 self.scheduler.abort(child.request.request_id)
@@ -180,15 +212,18 @@ class LLMEngine:
         self._parents[request_id] = ParentState(request_id, text, ids, children, stream,
                                                 prompt_lps)
 
-    def _guide(self, params: SamplingParams, prompt_ids: list[int]):
+    def _guide(self, params: SamplingParams, prompt_ids: list[int]) -> Guide | None:
         """The grammar matcher of a request with structured outputs, else None."""
-        if params.structured_outputs is None:
+        constraint = params.structured_outputs
+        if constraint is None:
             return None
         if self.grammars is None:
             raise ValueError("structured_outputs need a tokenizer; the model has none")
         if distributed.is_multiprocess():
             raise ValueError("structured_outputs are not supported with multiple processes")
-        return self.grammars.guide(params.structured_outputs, prompt_ids)
+        if isinstance(constraint, dict):  # SamplingParams converts these on construction
+            constraint = StructuredOutputsParams.from_dict(constraint)
+        return self.grammars.guide(constraint, prompt_ids)
 
     def _prompt_logprobs(self, ids: list[int], num: int) -> list:
         if distributed.is_multiprocess():
@@ -199,9 +234,10 @@ class LLMEngine:
         if params.min_tokens == 0:
             return ()
         eos = () if params.ignore_eos else tuple(self.output_processor.eos_token_ids)
-        blocked = tuple(dict.fromkeys(eos + tuple(params.stop_token_ids)))
+        stop_ids = tuple(params.stop_token_ids or ())
+        blocked = tuple(dict.fromkeys(eos + stop_ids))
         if len(blocked) > NUM_BLOCKED:
-            raise ValueError(f"stop_token_ids has {len(params.stop_token_ids)} ids; with "
+            raise ValueError(f"stop_token_ids has {len(stop_ids)} ids; with "
                              f"min_tokens > 0 at most {NUM_BLOCKED - len(eos)} are supported")
         return blocked
 
@@ -211,10 +247,10 @@ class LLMEngine:
         seed = (base + index * 0x9E3779B9) % 2**32
         detok = None
         if self.tokenizer is not None:
-            from qwen_jax.tokenizer import IncrementalDetokenizer
             detok = IncrementalDetokenizer(
                 self.tokenizer, prompt_ids, skip_special_tokens=params.skip_special_tokens,
-                stop=list(params.stop), include_stop_str_in_output=params.include_stop_str_in_output)
+                stop=list(params.stop),
+                include_stop_str_in_output=params.include_stop_str_in_output)
         return SeqState(request=request, parent_id=parent_id, index=index, seed=seed,
                         blocked_ids=blocked, detokenizer=detok,
                         logprobs=[] if params.logprobs is not None else None)
@@ -239,23 +275,27 @@ class LLMEngine:
     def step(self) -> list[RequestOutput]:
         """One engine iteration; returns an output for every request that produced a token."""
         out = self.scheduler.schedule()
+        self._copy_swapped_pages(out)
         if out.is_empty:
             return []
         masks = self._masks.submit(self._constrained_rows(out), pick_bucket(
             out.num_seqs, self.scheduler_config.seq_bucket_sizes))  # filled meanwhile
-        inputs = build_model_inputs(out, self.scheduler_config.token_bucket_sizes,
-                                    self.scheduler_config.seq_bucket_sizes, self.block_size,
-                                    self.pages_per_seq)
+        batch = build_model_inputs(out, self.scheduler_config.token_bucket_sizes,
+                                   self.scheduler_config.seq_bucket_sizes, self.page_size,
+                                   self.pages_per_seq)
         sampling = build_sampling_arrays(
-            [self._sampling_entry(s.request) for s in out.scheduled], inputs.padded_num_seqs,
-            self.max_model_len)
+            [self._sampling_entry(s.request) for s in out.scheduled], batch.padded_num_seqs,
+            self.max_model_len, self.model_config.vocab_size,
+            None if masks is None else masks.result())
+        inputs = StepInputs.from_batch(batch)
         if distributed.is_multiprocess():
             distributed.publish_step(inputs, sampling)
         started = time.perf_counter()
-        result = self.runner.execute(inputs, sampling, masks and masks.result())
-        self.last_step = {"num_tokens": inputs.num_tokens, "num_seqs": out.num_seqs,
-                          "bucket": inputs.bucket, "seconds": time.perf_counter() - started,
-                          "num_preempted": len(out.preempted)}
+        result = self.runner.execute(inputs, sampling)
+        self.last_step = {"num_tokens": batch.num_tokens, "num_seqs": out.num_seqs,
+                          "bucket": batch.bucket, "seconds": time.perf_counter() - started,
+                          "num_preempted": len(out.preempted),
+                          "num_admitted": out.num_admitted, "shape": _step_shape(out)}
         self.scheduler.update_after_step(out)
         return self._process_tokens(out, result)
 
@@ -267,13 +307,11 @@ class LLMEngine:
             seq = self._seqs.get(request.request_id)
             if not scheduled.samples or seq is None or request.is_finished:
                 continue
-            token = int(result["token"][row])
-            status = self.output_processor.append(seq, token, result, row,
-                                                  self.scheduler.is_length_capped)
-            if seq.guide is not None and not seq.guide.accept(token):
-                logger.error("request %s: token %d broke its grammar: %s", seq.parent_id,
-                             token, seq.guide.matcher.get_error())
-                status = RequestStatus.FINISHED_ERROR
+            try:
+                status = self._append(seq, result, row)
+            except Exception as exc:  # one sequence's data: the cache and the rest are intact
+                status = None
+                self._fail(self._parents[seq.parent_id], exc)
             if status is not None:
                 self.scheduler.finish(request.request_id, status)
             touched[seq.parent_id] = self._parents[seq.parent_id]
@@ -289,13 +327,45 @@ class LLMEngine:
                 rows.append((row, seq.guide))
         return rows
 
-    def _sampling_entry(self, request: Request):
+    def _append(self, seq: SeqState, result, row: int) -> RequestStatus | None:
+        token = int(result.token_ids[row])
+        vocab = self.model_config.vocab_size
+        if not 0 <= token < vocab:
+            raise ValueError(f"sampled token id {token} for {seq.request.request_id!r} is "
+                             f"outside the vocabulary [0, {vocab})")
+        status = self.output_processor.append(seq, result, row, self.scheduler.is_length_capped)
+        if seq.guide is not None and not seq.guide.accept(token):
+            logger.error("request %s: token %d broke its grammar: %s", seq.parent_id, token,
+                         seq.guide.matcher.get_error())
+            return RequestStatus.FINISHED_ERROR
+        return status
+
+    def _fail(self, parent: ParentState, exc: Exception) -> None:
+        """End a request whose own output could not be processed: its final output carries
+        the error (finish_reason "error"); the other requests of the step go on."""
+        logger.error("request %s failed: %r", parent.request_id, exc)
+        parent.error = f"{type(exc).__name__}: {exc}"
+        for child in parent.children:
+            if not child.request.is_finished:
+                self.scheduler.finish(child.request.request_id, RequestStatus.FINISHED_ERROR)
+
+    def _copy_swapped_pages(self, out: SchedulerOutput) -> None:
+        """The swaps the scheduler planned, before the step writes any page they read."""
+        if self.host_kv is None:
+            return
+        self.host_kv.release(out.host_pages_freed)
+        if out.swap_out:
+            self.runner.copy_pages_to_host(self.host_kv, *zip(*out.swap_out))
+        if out.swap_in:
+            self.runner.copy_pages_from_host(self.host_kv, *zip(*out.swap_in))
+
+    def _sampling_entry(self, request: Request) -> SamplingEntry:
         seq = self._seqs[request.request_id]
         params = request.sampling_params
         blocked = seq.blocked_ids if request.num_output_tokens < params.min_tokens else ()
         tokens = request.all_token_ids if uses_penalties(params) else None
-        return (params, seq.seed, request.num_output_tokens, blocked, tokens,
-                request.num_prompt_tokens)
+        return SamplingEntry(params, seq.seed, request.num_output_tokens, blocked, tokens,
+                             request.num_prompt_tokens)
 
     def _emit(self, parent: ParentState) -> RequestOutput:
         output = self.output_processor.request_output(parent)
@@ -307,19 +377,46 @@ class LLMEngine:
 
     # ---- introspection -----------------------------------------------------------------
     def stats(self) -> dict:
+        return {**self._kv_stats(), **self._scheduling_stats()}
+
+    def _kv_stats(self) -> dict:
         kv = self.kv_manager
         return {
             "num_running": self.scheduler.num_running,
             "num_waiting": self.scheduler.num_waiting,
-            "num_free_pages": kv.num_free_blocks,
-            "num_total_pages": kv.num_total_blocks,
-            "num_used_pages": kv.num_total_blocks - kv.num_free_blocks,
+            "num_free_pages": kv.num_free_pages,
+            "num_total_pages": kv.num_total_pages,
+            "num_used_pages": kv.num_total_pages - kv.num_free_pages,
             "kv_cache_usage": kv.usage,
             "num_preemptions": self.scheduler.num_preemptions,
             "prefix_cache_hit_rate": kv.prefix_cache_hit_rate,
             "prefix_cache_queries": kv.pool.num_queried_tokens,
             "prefix_cache_hits": kv.pool.num_hit_tokens,
-            "num_compiles": self.runner.num_compiles,
+            "num_compiles": self.runner.num_compiles + (
+                self.host_kv.num_compiles if self.host_kv is not None else 0),
             "bytes_per_page": self.bytes_per_page,
             "kv_capacity_tokens": self.kv_capacity_tokens,
         }
+
+    def _scheduling_stats(self) -> dict:
+        s = self.scheduler
+        s.observe_pressure()  # an idle engine runs no step: its budget is restored here
+        return {
+            "max_num_batched_tokens": s.max_num_batched_tokens,
+            "degraded": int(s.pressure.degraded),
+            "num_degradation_switches": s.pressure.num_switches,
+            "num_priority_boosts": s.boost.num_boosts,
+            "num_swap_outs": s.swap.num_swap_outs,
+            "num_swap_ins": s.swap.num_swap_ins,
+            "num_swapped_requests": s.swap.num_swapped,
+            "num_host_pages": s.swap.num_host_pages,
+            "num_used_host_pages": s.swap.num_host_pages - s.swap.num_free_host_pages,
+            "swap_space_usage": s.swap.usage,
+            "num_recomputed_tokens": s.num_recomputed_tokens,
+        }
+
+
+def _step_shape(out: SchedulerOutput) -> StepShape:
+    """Each scheduled sequence's new tokens and its context once they are written."""
+    return StepShape(query_lens=tuple(s.num_new_tokens for s in out.scheduled),
+                     context_lens=tuple(s.start + s.num_new_tokens for s in out.scheduled))

@@ -4,12 +4,14 @@ from __future__ import annotations
 
 import dataclasses
 
+import pallas_kernels
+from qwen_jax.options import LOAD_FORMATS, PARAM_DTYPES, QUANTIZATION_METHODS
 from qwen_jax.sharding import ParallelConfig
-from serving.config import CacheConfig, SchedulerConfig, _require
+from qwen_jax.validation import require
+from serving.config import CacheConfig, SchedulerConfig
 
-DTYPES = ("auto", "float32", "bfloat16", "float16")
-IMPLS = ("auto", "pallas", "reference")
-LOAD_FORMATS = ("auto", "dummy", "safetensors", "orbax")
+DTYPES = ("auto", *PARAM_DTYPES)  # auto: float32 on CPU, bfloat16 on GPU
+IMPLS = ("auto", *pallas_kernels.IMPLS)  # auto: pallas on GPU, reference elsewhere
 
 
 @dataclasses.dataclass(frozen=True, kw_only=True)
@@ -21,6 +23,9 @@ class EngineConfig:
     dtype: str = "auto"  # auto: float32 on CPU, the checkpoint's dtype (bf16) on GPU
     impl: str = "auto"  # kernels: auto = pallas on GPU, reference elsewhere
     load_format: str = "auto"
+    # None: the checkpoint's own (fp8 / AWQ checkpoints load quantised); fp8 | int8:
+    # quantise a float checkpoint at load; must match a quantised checkpoint's method.
+    quantization: str | None = None
     seed: int = 0
     cache: CacheConfig = dataclasses.field(default_factory=CacheConfig)
     scheduler: SchedulerConfig = dataclasses.field(default_factory=SchedulerConfig)
@@ -33,7 +38,9 @@ class EngineConfig:
     generation_config: str = "auto"
 
     def __post_init__(self) -> None:
-        _require(self.dtype in DTYPES, f"dtype must be one of {DTYPES}, got {self.dtype!r}")
-        _require(self.impl in IMPLS, f"impl must be one of {IMPLS}, got {self.impl!r}")
-        _require(self.load_format in LOAD_FORMATS,
-                 f"load_format must be one of {LOAD_FORMATS}, got {self.load_format!r}")
+        require(self.dtype in DTYPES, "dtype", self.dtype, f"one of {DTYPES}")
+        require(self.impl in IMPLS, "impl", self.impl, f"one of {IMPLS}")
+        require(self.load_format in LOAD_FORMATS, "load_format", self.load_format,
+                f"one of {LOAD_FORMATS}")
+        require(self.quantization in (None, *QUANTIZATION_METHODS), "quantization",
+                self.quantization, f"one of {QUANTIZATION_METHODS}, or None (the checkpoint's)")

@@ -5,30 +5,11 @@ from __future__ import annotations
 import logging
 
 import jax
-import jax.numpy as jnp
 
 logger = logging.getLogger(__name__)
 
 # CPU backends report no memory limit; like vLLM's CPU KV space, use a fixed budget.
 CPU_KV_CACHE_BYTES = 1 << 30
-
-_KV_DTYPES = {"auto": None, "bfloat16": jnp.bfloat16, "float32": jnp.float32,
-              "fp8": jnp.float8_e4m3fn, "fp8_e4m3": jnp.float8_e4m3fn,
-              "float16": jnp.float16}
-
-
-def kv_cache_dtype(name: str, model_dtype):
-    if name not in _KV_DTYPES:
-        raise ValueError(f"kv_cache_dtype must be one of {', '.join(_KV_DTYPES)}, got {name!r}")
-    return _KV_DTYPES[name] or model_dtype
-
-
-def bytes_per_page(model_config, block_size: int, dtype, num_kv_heads: int | None = None) -> int:
-    """K and V of every layer for one page of `block_size` tokens, on one device holding
-    `num_kv_heads` heads (default: all of the model's)."""
-    heads = model_config.num_key_value_heads if num_kv_heads is None else num_kv_heads
-    return (2 * model_config.num_hidden_layers * block_size * heads * model_config.head_dim
-            * jnp.dtype(dtype).itemsize)
 
 
 def free_device_bytes(device=None) -> int | None:
@@ -61,8 +42,8 @@ def num_pages_to_allocate(cache_config, per_page: int, max_pages_needed: int) ->
     return int(pages)
 
 
-def allocate(model, num_pages: int, block_size: int, dtype):
-    caches = model.init_kv_caches(num_pages, block_size, dtype)
+def allocate(model, num_pages: int, page_size: int, dtype):
+    caches = model.init_kv_caches(num_pages, page_size, dtype)
     logger.info("KV cache: %d pages x %d tokens (page 0 is the padding scratch page), %.1f MiB",
-                num_pages, block_size, sum(k.nbytes + v.nbytes for k, v in caches) / 2**20)
+                num_pages, page_size, sum(k.nbytes + v.nbytes for k, v in caches) / 2**20)
     return caches

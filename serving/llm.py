@@ -5,11 +5,12 @@ from __future__ import annotations
 import dataclasses
 import itertools
 from collections.abc import Sequence
+from typing import Any
 
 from qwen_jax.sharding import ParallelConfig
 from serving.config import CacheConfig, SchedulerConfig
-from serving.engine_config import EngineConfig
 from serving.engine import LLMEngine
+from serving.engine_config import EngineConfig
 from serving.request import RequestOutput, SamplingParams
 
 _CACHE_FIELDS = {f.name for f in dataclasses.fields(CacheConfig)}
@@ -22,7 +23,8 @@ _ALIASES = {"kv_cache_fraction": "gpu_memory_utilization"}
 
 def engine_config_from_kwargs(model=None, **kwargs) -> EngineConfig:
     """vLLM-style flat keyword arguments -> EngineConfig (unknown names are an error)."""
-    groups = {"cache": {}, "scheduler": {}, "parallel": {}, "engine": {}}
+    groups: dict[str, dict[str, Any]] = {"cache": {}, "scheduler": {}, "parallel": {},
+                                         "engine": {}}
     for name, value in kwargs.items():
         name = _ALIASES.get(name, name)
         if value is None and name not in ("num_gpu_blocks_override", "max_waiting"):
@@ -133,6 +135,8 @@ class LLM:
         total = {k: sum(s[k] for s in per) for k, v in per[0].items()
                  if isinstance(v, (int, float)) and k != "bytes_per_page"}
         total["kv_cache_usage"] = 1 - total["num_free_pages"] / total["num_total_pages"]
+        host = total["num_host_pages"]
+        total["swap_space_usage"] = total["num_used_host_pages"] / host if host else 0.0
         queries = total["prefix_cache_queries"]
         total["prefix_cache_hit_rate"] = total["prefix_cache_hits"] / queries if queries else 0.0
         total["bytes_per_page"] = per[0]["bytes_per_page"]

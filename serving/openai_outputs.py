@@ -7,7 +7,8 @@ import dataclasses
 import json
 import math
 import time
-from collections.abc import AsyncIterator
+from collections.abc import AsyncGenerator
+from typing import Any
 
 from serving import openai_protocol as proto
 from serving.chat_reply import ReplyFormat, ReplyStream
@@ -21,7 +22,7 @@ def sse(payload: dict) -> bytes:
     return b"data: " + json.dumps(payload, ensure_ascii=False).encode() + b"\n\n"
 
 
-async def merge(gens: list) -> AsyncIterator[tuple[int, RequestOutput]]:
+async def merge(gens: list) -> AsyncGenerator[tuple[int, RequestOutput], None]:
     """(prompt index, output) from several AsyncLLM streams as they arrive. Closing or
     cancelling the merged stream closes every input stream, which aborts its request."""
     if len(gens) == 1:
@@ -70,7 +71,8 @@ def _ranked(entry: dict, k: int) -> list:
 def completion_logprobs(token_ids: list[int], entries: list[dict], k: int,
                         text_offset: int = 0) -> dict:
     """OpenAI completions `logprobs` (tokens, token_logprobs, top_logprobs, text_offset)."""
-    out = {"tokens": [], "token_logprobs": [], "top_logprobs": [], "text_offset": []}
+    out: dict[str, list] = {"tokens": [], "token_logprobs": [], "top_logprobs": [],
+                            "text_offset": []}
     for token_id, entry in zip(token_ids, entries):
         sampled = entry[token_id]
         token = sampled.decoded_token or ""
@@ -114,7 +116,7 @@ class Job:
         self.created = int(time.time())
         self.n = self.req.sampling["n"]
         self.latest: list[RequestOutput | None] = [None] * len(self.prompts)
-        self.trackers = [self.metrics.tracker() for _ in self.prompts]
+        self.trackers = [self.metrics.tracker(p) for p in self.params]
         self.deltas: dict[int, proto.DeltaTracker] = {}
         self.streams: dict[int, ReplyStream] = {}
 
@@ -162,7 +164,7 @@ class Job:
     def _choice(self, index: int, c: CompletionOutput, text: str, start: int, stop: int,
                 finish_reason: str | None, *, delta: dict | None = None,
                 text_offset: int = 0) -> dict:
-        choice = {"index": index}
+        choice: dict[str, Any] = {"index": index}
         if delta is not None:
             choice["delta"] = delta
         elif self.chat:
@@ -176,9 +178,11 @@ class Job:
 
     # ---- streaming ---------------------------------------------------------------------
     def _chunk(self, choices: list[dict]) -> dict:
-        chunk = {"id": self.request_id,
-                 "object": "chat.completion.chunk" if self.chat else "text_completion",
-                 "created": self.created, "model": self.model, "choices": choices}
+        chunk: dict[str, Any] = {"id": self.request_id,
+                                 "object": "chat.completion.chunk" if self.chat
+                                 else "text_completion",
+                                 "created": self.created, "model": self.model,
+                                 "choices": choices}
         if self.req.include_usage:
             chunk["usage"] = None
         return chunk
@@ -193,7 +197,7 @@ class Job:
             tracker = self.deltas.get(index)
             if tracker is None:
                 tracker = self.deltas[index] = proto.DeltaTracker(
-                    list(params.stop), params.include_stop_str_in_output)
+                    list(params.stop or ()), params.include_stop_str_in_output)
             num_chars, first = tracker.num_chars, tracker.num_tokens == 0 and not tracker.done
             advanced = tracker.advance(c)
             if advanced is None:

@@ -12,6 +12,7 @@ import json
 import math
 from typing import Any
 
+from serving.api_errors import bad
 from serving.openai_structured import (
     STRUCTURED_FIELDS,
     TOOL_FIELDS,
@@ -31,11 +32,6 @@ MAX_REPETITION_PENALTY = 100.0
 MAX_STOP_STRINGS = 16
 MAX_STOP_TOKEN_IDS = 256
 MAX_BATCH_PROMPTS = 64
-ERROR_TYPES = {400: "BadRequestError", 401: "AuthenticationError", 404: "NotFoundError",
-               405: "MethodNotAllowedError", 413: "RequestEntityTooLargeError",
-               429: "RateLimitError", 500: "InternalServerError",
-               503: "ServiceUnavailableError"}
-
 _SAMPLING_FIELDS = {
     "temperature", "top_p", "top_k", "min_p", "presence_penalty", "frequency_penalty",
     "repetition_penalty", "seed", "stop", "stop_token_ids", "ignore_eos", "min_tokens",
@@ -51,28 +47,6 @@ CHAT_FIELDS = _COMMON_FIELDS | TOOL_FIELDS | {
 # `--generation-config auto`), with the neutral defaults used otherwise.
 NEUTRAL_DEFAULTS = {"temperature": 1.0, "top_p": 1.0, "top_k": -1, "min_p": 0.0,
                     "repetition_penalty": 1.0}
-
-
-class APIError(Exception):
-    """An error a client caused (or an overload): becomes OpenAI's error JSON."""
-
-    def __init__(self, status: int, message: str, *, param: str | None = None,
-                 headers: dict[str, str] | None = None):
-        super().__init__(message)
-        self.status, self.message, self.param = status, message, param
-        self.headers = headers or {}
-
-    def body(self) -> dict:
-        return error_body(self.status, self.message, self.param)
-
-
-def error_body(status: int, message: str, param: str | None = None) -> dict:
-    return {"error": {"message": message, "type": ERROR_TYPES.get(status, "Error"),
-                      "param": param, "code": status}}
-
-
-def bad(param: str, message: str) -> APIError:
-    return APIError(400, message, param=param)
 
 
 def describe(value: Any) -> str:
@@ -291,7 +265,7 @@ def _read_prompts(prompt: Any, vocab_size: int) -> list:
     if len(prompt) > MAX_BATCH_PROMPTS:
         raise bad("prompt", f"prompt batch has {len(prompt)} prompts; at most "
                             f"{MAX_BATCH_PROMPTS}")
-    batch = []
+    batch: list[str | list[int]] = []
     for i, p in enumerate(prompt):
         if isinstance(p, str):
             batch.append(p)

@@ -7,6 +7,7 @@ from __future__ import annotations
 import dataclasses
 from typing import Any
 
+from serving.api_errors import bad
 from serving.chat_reply import ReplyFormat
 from serving.structured_params import StructuredOutputsParams
 from serving.tool_parsers import HermesToolParser, calls_grammar
@@ -38,11 +39,6 @@ _VLLM_CHAT_UNSUPPORTED = {
 UNSUPPORTED_FIELDS = set(_VLLM_UNSUPPORTED) | set(_VLLM_CHAT_UNSUPPORTED)
 
 
-def _bad(param: str, message: str):
-    from serving.openai_protocol import bad
-    return bad(param, message)
-
-
 def reject_unsupported(body: dict, chat: bool) -> None:
     """A 400 naming the first vLLM field set that this server does not implement."""
     table = {**_VLLM_UNSUPPORTED, **(_VLLM_CHAT_UNSUPPORTED if chat else {})}
@@ -50,7 +46,7 @@ def reject_unsupported(body: dict, chat: bool) -> None:
         value = body.get(name)
         if value is None or value == unused or (unused is _UNSET and value in ([], {}, "")):
             continue
-        raise _bad(name, f"{name} is not supported by this server (vLLM honours it; it "
+        raise bad(name, f"{name} is not supported by this server (vLLM honours it; it "
                          f"would be ignored here), got {str(value)[:40]!r}")
 
 
@@ -77,12 +73,12 @@ def _check_tool(i: int, tool: Any) -> None:
     if not (isinstance(tool, dict) and tool.get("type", "function") == "function"
             and isinstance(function, dict) and isinstance(function.get("name"), str)
             and function["name"]):
-        raise _bad("tools", f"tools[{i}] must be {{\"type\": \"function\", \"function\": "
+        raise bad("tools", f"tools[{i}] must be {{\"type\": \"function\", \"function\": "
                             f"{{\"name\": <str>, \"parameters\": <schema>}}}}, got "
                             f"{str(tool)[:60]!r}")
     parameters = function.get("parameters")
     if parameters is not None and not isinstance(parameters, dict):
-        raise _bad("tools", f"tools[{i}].function.parameters must be a JSON schema object, "
+        raise bad("tools", f"tools[{i}].function.parameters must be a JSON schema object, "
                             f"got {str(parameters)[:40]!r}")
 
 
@@ -94,25 +90,25 @@ def _tool_choice(body: dict, names: list[str]) -> tuple[str, bool]:
         function = choice.get("function")
         name = function.get("name") if isinstance(function, dict) else None
         if choice.get("type", "function") != "function" or not isinstance(name, str):
-            raise _bad("tool_choice", "tool_choice must be \"none\", \"auto\", \"required\" or "
+            raise bad("tool_choice", "tool_choice must be \"none\", \"auto\", \"required\" or "
                                       "{\"type\": \"function\", \"function\": {\"name\": ...}}, "
                                       f"got {str(choice)[:60]!r}")
         if name not in names:
-            raise _bad("tool_choice", f"tool_choice names function {name!r}, which is not in "
+            raise bad("tool_choice", f"tool_choice names function {name!r}, which is not in "
                                       f"tools ({', '.join(names) or 'none given'})")
         return name, True
     if choice not in ("none", "auto", "required"):
-        raise _bad("tool_choice", f"tool_choice must be \"none\", \"auto\", \"required\" or a "
+        raise bad("tool_choice", f"tool_choice must be \"none\", \"auto\", \"required\" or a "
                                   f"named function, got {str(choice)[:40]!r}")
     if choice == "required" and not names:
-        raise _bad("tool_choice", "tool_choice \"required\" needs tools")
+        raise bad("tool_choice", "tool_choice \"required\" needs tools")
     return choice, False
 
 
 def read_tools(body: dict) -> ToolRequest:
     tools = body.get("tools") or []
     if not isinstance(tools, list):
-        raise _bad("tools", f"tools must be a list of objects, got {str(tools)[:40]!r}")
+        raise bad("tools", f"tools must be a list of objects, got {str(tools)[:40]!r}")
     for i, tool in enumerate(tools):
         _check_tool(i, tool)
     choice, named = _tool_choice(body, [t["function"]["name"] for t in tools])
@@ -120,7 +116,7 @@ def read_tools(body: dict) -> ToolRequest:
     if parallel is None:
         parallel = True
     if not isinstance(parallel, bool):
-        raise _bad("parallel_tool_calls", f"parallel_tool_calls must be a boolean, got "
+        raise bad("parallel_tool_calls", f"parallel_tool_calls must be a boolean, got "
                                           f"{str(parallel)[:40]!r}")
     return ToolRequest(tools, choice, named, parallel)
 
@@ -149,7 +145,7 @@ def _guided(body: dict) -> StructuredOutputsParams | None:
         return None
     backend = body.get("guided_decoding_backend")
     if backend not in GUIDED_BACKENDS:
-        raise _bad("guided_decoding_backend", f"guided_decoding_backend must be one of "
+        raise bad("guided_decoding_backend", f"guided_decoding_backend must be one of "
                                               f"auto, guidance (llguidance is the only "
                                               f"grammar engine), got {str(backend)[:40]!r}")
     return StructuredOutputsParams(**given,
@@ -171,11 +167,11 @@ def read_structured(body: dict, chat: bool) -> tuple[StructuredOutputsParams | N
         try:
             params = read()
         except (ValueError, TypeError) as exc:
-            raise _bad(field, str(exc)) from None
+            raise bad(field, str(exc)) from None
         if params is not None:
             found.append((params, field))
     if len(found) > 1:
-        raise _bad(found[1][1], f"only one constraint may be given; got {found[0][1]} and "
+        raise bad(found[1][1], f"only one constraint may be given; got {found[0][1]} and "
                                 f"{found[1][1]}")
     return found[0] if found else (None, "")
 
@@ -196,7 +192,7 @@ def reply_format(req, reasoning_parser, auto_parser, tag_ids: dict) -> ReplyForm
         req.structured_field, parser = "tools", HermesToolParser
     elif tools.choice == "auto" and tools.tools:
         if auto_parser is None:
-            raise _bad("tool_choice", '"auto" tool choice requires --enable-auto-tool-choice '
+            raise bad("tool_choice", '"auto" tool choice requires --enable-auto-tool-choice '
                                       "and --tool-call-parser to be set")
         parser = auto_parser
     return ReplyFormat(reasoning_parser, req.include_reasoning, parser, names,

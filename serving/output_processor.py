@@ -4,8 +4,14 @@ logprobs, and gathering the n samples of a request into one RequestOutput."""
 from __future__ import annotations
 
 import dataclasses
+from typing import TYPE_CHECKING
 
-from serving.request import (CompletionOutput, Request, RequestOutput, RequestStatus)
+from serving.detokenizer import IncrementalDetokenizer
+from serving.request import CompletionOutput, Request, RequestOutput, RequestStatus
+
+if TYPE_CHECKING:  # host-side code: the sampler's types only, not jax
+    from serving.sampler import SamplerOutput, TokenLogprobs
+    from serving.structured import Guide
 
 
 @dataclasses.dataclass
@@ -26,11 +32,11 @@ class SeqState:
     index: int
     seed: int
     blocked_ids: tuple[int, ...]  # eos/stop ids suppressed until min_tokens
-    detokenizer: object | None
+    detokenizer: IncrementalDetokenizer | None
     logprobs: list | None = None
     cumulative_logprob: float = 0.0
     text: str = ""
-    guide: object | None = None  # serving.structured.Guide of a constrained sequence
+    guide: Guide | None = None  # the grammar matcher of a constrained sequence
 
     @property
     def params(self):
@@ -45,6 +51,7 @@ class ParentState:
     children: list[SeqState]
     stream: bool = True  # False: only the final output is built (offline generate)
     prompt_logprobs: list | None = None
+    error: str | None = None  # why the engine failed this request (finish_reason "error")
 
     @property
     def finished(self) -> bool:
@@ -56,10 +63,12 @@ class OutputProcessor:
         self.tokenizer = tokenizer
         self.eos_token_ids = frozenset(eos_token_ids)
 
-    def append(self, seq: SeqState, token: int, result: dict, row: int,
+    def append(self, seq: SeqState, result: SamplerOutput, row: int,
                max_len_reached) -> RequestStatus | None:
-        """Record the sampled token; return a finished status if the sequence stops."""
-        status = self._append(seq, token, result, row, max_len_reached)
+        """Record the token sampled for `row`; return a finished status if the sequence
+        stops."""
+        status = self._append(seq, int(result.token_ids[row]), result.logprobs, row,
+                              max_len_reached)
         if status is not None:
             self.flush(seq)
         return status
@@ -71,10 +80,10 @@ class OutputProcessor:
             seq.detokenizer.flush()
             seq.text = seq.detokenizer.text
 
-    def _append(self, seq, token, result, row, max_len_reached):
+    def _append(self, seq, token, logprobs: TokenLogprobs, row, max_len_reached):
         request, params = seq.request, seq.params
         request.append_output_token(token)
-        self._record_logprobs(seq, token, result, row)
+        self._record_logprobs(seq, token, logprobs, row)
         if seq.detokenizer is not None:
             seq.detokenizer.add([token])
             seq.text = seq.detokenizer.text
@@ -91,30 +100,29 @@ class OutputProcessor:
             return RequestStatus.FINISHED_LENGTH_CAPPED
         return None
 
-    def _record_logprobs(self, seq: SeqState, token: int, result: dict, row: int) -> None:
-        logprob = float(result["logprob"][row])
-        seq.cumulative_logprob += logprob
+    def _record_logprobs(self, seq: SeqState, token: int, logprobs: TokenLogprobs,
+                         row: int) -> None:
+        seq.cumulative_logprob += float(logprobs.logprob[row])
         num = seq.params.logprobs
-        if num is None:
-            return
-        entry = {token: Logprob(logprob, int(result["rank"][row]), self._decode_one(token))}
-        top = zip(result["top_ids"][row][:num], result["top_logprobs"][row][:num])
-        for rank, (tid, lp) in enumerate(top, start=1):
-            entry.setdefault(int(tid), Logprob(float(lp), rank, self._decode_one(int(tid))))
-        seq.logprobs.append(entry)
+        if num is not None and seq.logprobs is not None:  # both set iff logprobs were asked
+            seq.logprobs.append(self._logprob_entry(token, logprobs, row, num))
 
-    def prompt_logprobs(self, prompt_ids: list[int], scored: dict, num: int) -> list:
+    def prompt_logprobs(self, prompt_ids: list[int], scored: TokenLogprobs, num: int) -> list:
         """vLLM's format: None for the first token, then {token_id: Logprob} holding the
         prompt token and the `num` most likely tokens at that position."""
-        out: list = [None]
-        for i, token in enumerate(prompt_ids[1:]):
-            entry = {token: Logprob(float(scored["logprob"][i]), int(scored["rank"][i]),
-                                    self._decode_one(token))}
-            top = zip(scored["top_ids"][i][:num], scored["top_logprobs"][i][:num])
-            for rank, (tid, lp) in enumerate(top, start=1):
-                entry.setdefault(int(tid), Logprob(float(lp), rank, self._decode_one(int(tid))))
-            out.append(entry)
-        return out
+        return [None] + [self._logprob_entry(token, scored, i, num)
+                         for i, token in enumerate(prompt_ids[1:])]
+
+    def _logprob_entry(self, token: int, logprobs: TokenLogprobs, row: int,
+                       num: int) -> dict[int, Logprob]:
+        """{token_id: Logprob} of one position: the chosen token, then the `num` most likely
+        (the chosen one keeps its own entry when it is among them)."""
+        entry = {token: Logprob(float(logprobs.logprob[row]), int(logprobs.rank[row]),
+                                self._decode_one(token))}
+        top = zip(logprobs.top_ids[row][:num], logprobs.top_logprobs[row][:num])
+        for rank, (tid, lp) in enumerate(top, start=1):
+            entry.setdefault(int(tid), Logprob(float(lp), rank, self._decode_one(int(tid))))
+        return entry
 
     def _decode_one(self, token: int) -> str | None:
         if self.tokenizer is None:
@@ -136,4 +144,5 @@ class OutputProcessor:
             request_id=parent.request_id, prompt=parent.prompt,
             prompt_token_ids=parent.prompt_token_ids, prompt_logprobs=parent.prompt_logprobs,
             outputs=[self.completion(c) for c in parent.children], finished=parent.finished,
-            metrics=first.metrics, num_cached_tokens=first.num_cached_tokens)
+            metrics=first.metrics, num_cached_tokens=first.num_cached_tokens,
+            error=parent.error)

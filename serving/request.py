@@ -6,6 +6,7 @@ import dataclasses
 import enum
 import time
 
+from qwen_jax.validation import require
 from serving.structured_params import StructuredOutputsParams
 
 # vLLM's _SAMPLING_EPS: temperatures below this are treated as greedy.
@@ -14,21 +15,19 @@ MAX_N = 128
 MAX_LOGPROBS = 20
 
 
-def _check(ok: bool, message: str) -> None:
-    if not ok:
-        raise ValueError(message)
+def _is_int(value) -> bool:
+    return isinstance(value, int) and not isinstance(value, bool)
 
 
-def _check_range(name: str, value: float, low: float, high: float) -> None:
-    _check(low <= value <= high, f"{name} must be in [{low}, {high}], got {value}")
+def _require_range(name: str, value: float, low: float, high: float) -> None:
+    require(low <= value <= high, name, value, f"in [{low}, {high}]")
 
 
-def _check_logprobs(name: str, value: int | None) -> None:
+def _require_logprobs(name: str, value: int | None) -> None:
     if value is None:
         return
-    _check(isinstance(value, int) and not isinstance(value, bool),
-           f"{name} must be an int or None, got {value!r}")
-    _check_range(name, value, 0, MAX_LOGPROBS)
+    require(_is_int(value), name, value, "an int or None")
+    _require_range(name, value, 0, MAX_LOGPROBS)
 
 
 @dataclasses.dataclass
@@ -69,37 +68,33 @@ class SamplingParams:
         self._validate()
 
     def _validate(self) -> None:
-        _check_range("n", self.n, 1, MAX_N)
-        _check(self.temperature >= 0, f"temperature must be >= 0, got {self.temperature}")
-        _check(0 < self.top_p <= 1, f"top_p must be in (0, 1], got {self.top_p}")
-        _check(self.top_k == -1 or self.top_k >= 0,
-               f"top_k must be -1 (disabled) or >= 0, got {self.top_k}")
-        _check_range("min_p", self.min_p, 0.0, 1.0)
-        _check_range("presence_penalty", self.presence_penalty, -2.0, 2.0)
-        _check_range("frequency_penalty", self.frequency_penalty, -2.0, 2.0)
-        _check(self.repetition_penalty > 0,
-               f"repetition_penalty must be > 0, got {self.repetition_penalty}")
-        _check(self.max_tokens is None or self.max_tokens >= 1,
-               f"max_tokens must be >= 1 or None, got {self.max_tokens}")
-        _check(self.min_tokens >= 0, f"min_tokens must be >= 0, got {self.min_tokens}")
+        _require_range("n", self.n, 1, MAX_N)
+        require(self.temperature >= 0, "temperature", self.temperature, ">= 0")
+        require(0 < self.top_p <= 1, "top_p", self.top_p, "in (0, 1]")
+        require(self.top_k == -1 or self.top_k >= 0, "top_k", self.top_k,
+                "-1 (disabled) or >= 0")
+        _require_range("min_p", self.min_p, 0.0, 1.0)
+        _require_range("presence_penalty", self.presence_penalty, -2.0, 2.0)
+        _require_range("frequency_penalty", self.frequency_penalty, -2.0, 2.0)
+        require(self.repetition_penalty > 0, "repetition_penalty", self.repetition_penalty, "> 0")
+        require(self.max_tokens is None or self.max_tokens >= 1, "max_tokens", self.max_tokens,
+                ">= 1 or None")
+        require(self.min_tokens >= 0, "min_tokens", self.min_tokens, ">= 0")
         if self.max_tokens is not None:
-            _check(self.min_tokens <= self.max_tokens,
-                   f"min_tokens must be <= max_tokens={self.max_tokens}, "
-                   f"got {self.min_tokens}")
-        _check_logprobs("logprobs", self.logprobs)
-        _check_logprobs("prompt_logprobs", self.prompt_logprobs)
-        _check(self.seed is None or (isinstance(self.seed, int)
-                                     and not isinstance(self.seed, bool)),
-               f"seed must be an int or None, got {self.seed!r}")
-        _check(all(isinstance(s, str) and s for s in self.stop),
-               f"stop must be non-empty strings, got {self.stop!r}")
-        _check(self.structured_outputs is None
-               or isinstance(self.structured_outputs, StructuredOutputsParams),
-               f"structured_outputs must be StructuredOutputsParams, a dict or None, got "
-               f"{type(self.structured_outputs).__name__}")
+            require(self.min_tokens <= self.max_tokens, "min_tokens", self.min_tokens,
+                    f"<= max_tokens={self.max_tokens}")
+        _require_logprobs("logprobs", self.logprobs)
+        _require_logprobs("prompt_logprobs", self.prompt_logprobs)
+        require(self.seed is None or _is_int(self.seed), "seed", self.seed, "an int or None")
+        require(all(isinstance(s, str) and s for s in self.stop or ()), "stop", self.stop,
+                "non-empty strings")
+        require(self.structured_outputs is None
+                or isinstance(self.structured_outputs, StructuredOutputsParams),
+                "structured_outputs", type(self.structured_outputs).__name__,
+                "StructuredOutputsParams, a dict or None")
         # EOS held back by min_tokens could leave a finished grammar no token to choose
-        _check(self.structured_outputs is None or self.min_tokens == 0,
-               f"min_tokens must be 0 with structured_outputs, got {self.min_tokens}")
+        require(self.structured_outputs is None or self.min_tokens == 0, "min_tokens",
+                self.min_tokens, "0 with structured_outputs")
 
     @property
     def greedy(self) -> bool:
@@ -149,12 +144,6 @@ class RequestMetrics:
     last_token_time: float | None = None
     finished_time: float | None = None
 
-    @property
-    def time_to_first_token(self) -> float | None:
-        if self.first_token_time is None:
-            return None
-        return self.first_token_time - self.arrival_time
-
 
 @dataclasses.dataclass(eq=False)
 class Request:
@@ -163,26 +152,24 @@ class Request:
     request_id: str
     prompt_token_ids: list[int]
     sampling_params: SamplingParams = dataclasses.field(default_factory=SamplingParams)
-    eos_token_id: int | None = None
     arrival_time: float = dataclasses.field(default_factory=time.monotonic)
     priority: int = 0  # lower value is served first, as in vLLM
     output_token_ids: list[int] = dataclasses.field(default_factory=list)
     num_computed_tokens: int = 0
     status: RequestStatus = RequestStatus.WAITING
-    block_ids: list[int] = dataclasses.field(default_factory=list)
+    page_ids: list[int] = dataclasses.field(default_factory=list)
     num_cached_tokens: int = 0
     num_preemptions: int = 0
     stop_reason: int | str | None = None
-    metrics: RequestMetrics | None = None
-    # Chained block hashes of full blocks, filled lazily by the KV cache manager.
-    block_hashes: list[int] = dataclasses.field(default_factory=list, repr=False)
+    metrics: RequestMetrics = dataclasses.field(init=False)  # from arrival_time
+    # Chained page hashes of full pages, filled lazily by the KV cache manager.
+    page_hashes: list[int] = dataclasses.field(default_factory=list, repr=False)
 
     def __post_init__(self) -> None:
-        _check(len(self.prompt_token_ids) > 0,
-               f"prompt_token_ids must be non-empty (request {self.request_id})")
+        require(len(self.prompt_token_ids) > 0, "prompt_token_ids", self.prompt_token_ids,
+                f"non-empty (request {self.request_id})")
         self.prompt_token_ids = list(self.prompt_token_ids)
-        if self.metrics is None:
-            self.metrics = RequestMetrics(arrival_time=self.arrival_time)
+        self.metrics = RequestMetrics(arrival_time=self.arrival_time)
 
     @property
     def all_token_ids(self) -> list[int]:
@@ -258,3 +245,4 @@ class RequestOutput:
     finished: bool
     metrics: RequestMetrics | None = None
     num_cached_tokens: int | None = None  # prompt tokens found in the prefix cache
+    error: str | None = None  # set on the final output of a request the engine failed

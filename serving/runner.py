@@ -4,23 +4,59 @@ sampling. One executable per (token bucket, sequence bucket); the KV cache is do
 from __future__ import annotations
 
 import concurrent.futures
+import dataclasses
 import logging
 import os
 import time
+from collections.abc import Callable
 from pathlib import Path
 
 import jax
-import jax.numpy as jnp
 import numpy as np
 from flax import nnx
+from jax.sharding import NamedSharding
 
+from pallas_kernels.array_types import Array, Int
 from qwen_jax.attention import AttentionMetadata
 from qwen_jax.sharding import replicated
 from serving.batch import ModelInputs
-from serving.sampler import NUM_TOP_LOGPROBS, SamplingArrays, build_sampling_arrays, sample
+from serving.sampler import (
+    SamplerOutput,
+    SamplingArrays,
+    TokenLogprobs,
+    build_sampling_arrays,
+    sample,
+    token_logprobs,
+)
 from serving.structured import TokenMask, inactive_mask
 
 logger = logging.getLogger(__name__)
+
+
+@jax.tree_util.register_dataclass
+@dataclasses.dataclass(frozen=True)
+class StepInputs:
+    """The jitted step's argument: one padded batch as the model reads it. Host numpy
+    arrays until the step (or the multi-host broadcast) moves them to the devices."""
+
+    token_ids: Int[Array | np.ndarray, " T"]
+    positions: Int[Array | np.ndarray, " T"]
+    logits_index: Int[Array | np.ndarray, " S"]  # flat index of each sequence's last token
+    attention: AttentionMetadata
+
+    @classmethod
+    def from_batch(cls, batch: ModelInputs) -> StepInputs:
+        return cls(token_ids=batch.token_ids, positions=batch.positions,
+                   logits_index=batch.logits_index,
+                   attention=AttentionMetadata(
+                       slot_mapping=batch.slot_mapping, query_start=batch.query_start,
+                       kv_lens=batch.kv_lens, page_table=batch.page_table,
+                       num_seqs=batch.num_seqs))
+
+    @property
+    def bucket(self) -> tuple[int, int]:
+        """(T, S): the compiled step this batch runs."""
+        return self.token_ids.shape[0], self.logits_index.shape[0]
 
 
 def default_compilation_cache_dir() -> str:
@@ -47,12 +83,12 @@ class ModelRunner:
         self.max_model_len = max_model_len
         self.pages_per_seq = pages_per_seq
         self.vocab_size = model.config.vocab_size
-        self._executables: dict[tuple[int, int], object] = {}  # (T, S) -> compiled step
-        self._scorers: dict[int, object] = {}  # padded prompt length -> jitted scorer
+        self._executables: dict[tuple[int, int], jax.stages.Compiled] = {}  # (T, S) -> step
+        self._scorers: dict[int, Callable] = {}  # padded prompt length -> jitted scorer
         self._inactive_masks: dict[int, TokenMask] = {}  # S -> device-resident, never sent
         # Under a mesh the host inputs go to every device (replicated) and the caches keep
         # their kv-head shards across steps.
-        self._inputs_sharding = None if mesh is None else replicated(mesh)
+        self._inputs_sharding: NamedSharding | None = None if mesh is None else replicated(mesh)
         cache_shardings = None if mesh is None else jax.tree.map(lambda x: x.sharding, kv_caches)
         self._step = jax.jit(self._step_impl, donate_argnums=(1,),
                              out_shardings=None if mesh is None else (cache_shardings,
@@ -64,30 +100,29 @@ class ModelRunner:
         power-of-two prompt length the first time a request asks for prompt_logprobs."""
         return len(self._executables) + len(self._scorers)
 
-    def _step_impl(self, state, kv_caches, inputs: dict, sampling: SamplingArrays,
-                   mask: TokenMask):
+    def _step_impl(self, state, kv_caches, inputs: StepInputs, sampling: SamplingArrays):
         model = nnx.merge(self.graphdef, state)
-        meta = AttentionMetadata(
-            slot_mapping=inputs["slot_mapping"], query_start=inputs["query_start"],
-            kv_lens=inputs["kv_lens"], page_table=inputs["page_table"],
-            num_seqs=inputs["num_seqs"])
-        hidden, kv_caches = model.forward(inputs["token_ids"], inputs["positions"], kv_caches, meta)
-        logits = model.compute_logits(hidden[inputs["logits_index"]])  # [S, V] f32
-        return kv_caches, sample(logits, sampling, mask)
+        hidden, kv_caches = model.forward(inputs.token_ids, inputs.positions, kv_caches,
+                                          inputs.attention)
+        logits = model.compute_logits(hidden[inputs.logits_index])  # [S, V] f32
+        return kv_caches, sample(logits, sampling)
 
-    def execute(self, inputs: ModelInputs, sampling: SamplingArrays,
-                mask: TokenMask | None = None) -> dict[str, np.ndarray]:
-        """Run one step; returns host arrays (token, logprob, rank, top_ids, top_logprobs).
-        `mask`: the constrained rows' allowed tokens; None (no row constrained) passes the
-        bucket's inactive mask already on the device, so nothing is transferred for it."""
-        arrays = (inputs.arrays(), sampling) if mask is None else (inputs.arrays(), sampling,
-                                                                   mask)
+    def execute(self, inputs: StepInputs, sampling: SamplingArrays) -> SamplerOutput:
+        """Run one step; returns its sampled tokens and logprobs as host arrays. A step
+        with no row under a grammar uses the bucket's inactive mask already on the device,
+        so its [S, V/32] mask is never transferred."""
+        mask = sampling.token_mask
+        resident = None if mask is not None and mask.active else self._inactive_mask(
+            inputs.bucket[1])
+        if resident is not None:
+            sampling = dataclasses.replace(sampling, token_mask=None)  # no leaves to move
+        args = (inputs, sampling)
         if self._inputs_sharding is not None:
-            arrays = jax.tree.map(self._replicate, arrays)
-        if mask is None:
-            arrays = (*arrays, self._inactive_mask(inputs.padded_num_seqs))
+            args = jax.tree.map(self._replicate, args)
+        if resident is not None:
+            args = (args[0], dataclasses.replace(args[1], token_mask=resident))
         step = self._executables.get(inputs.bucket) or self._compile([inputs.bucket])[0]
-        self.kv_caches, out = step(self.state, self.kv_caches, *arrays)
+        self.kv_caches, out = step(self.state, self.kv_caches, *args)
         return jax.device_get(out)
 
     def _inactive_mask(self, num_seqs: int) -> TokenMask:
@@ -97,17 +132,27 @@ class ModelRunner:
                 self._replicate if self._inputs_sharding is not None else jax.device_put, host)
         return self._inactive_masks[num_seqs]
 
+    def copy_pages_to_host(self, store, device_pages, host_pages) -> None:
+        """Swap out: `store` (serving/host_kv.HostKVStore) keeps the pages' KV."""
+        store.save(self.kv_caches, list(device_pages), list(host_pages))
+
+    def copy_pages_from_host(self, store, host_pages, device_pages) -> None:
+        """Swap in: the stored pages' KV lands in `device_pages` (the cache is donated)."""
+        self.kv_caches = store.load(self.kv_caches, list(host_pages), list(device_pages))
+
     def _replicate(self, host: np.ndarray) -> jax.Array:
-        """Host array -> global replicated array; works across processes too, where each
-        process holds the same (broadcast) values."""
+        """Host array -> global replicated array (under a mesh); works across processes too,
+        where each process holds the same (broadcast) values."""
+        if self._inputs_sharding is None:
+            raise ValueError("replicating inputs needs a mesh")
         host = np.asarray(host)
         return jax.make_array_from_callback(host.shape, self._inputs_sharding,
                                             lambda index: host[index])
 
-    def score_prompt(self, token_ids: list[int]) -> dict[str, np.ndarray]:
+    def score_prompt(self, token_ids: list[int]) -> TokenLogprobs:
         """Logprobs of each prompt token given its prefix (vLLM's prompt_logprobs), from a
         full-sequence forward padded to a power of two (compiled once per length bucket).
-        Returns host arrays for positions 1..n-1: logprob, rank, top_ids, top_logprobs."""
+        Returns host arrays with a row for each of positions 1..n-1."""
         num = len(token_ids)
         padded = max(16, 1 << (num - 1).bit_length())
         ids = np.zeros((1, padded), np.int32)
@@ -115,41 +160,46 @@ class ModelRunner:
         if padded not in self._scorers:
             self._scorers[padded] = jax.jit(self._score_impl)
         out = self._scorers[padded](self.state, ids)
-        return {k: np.asarray(v)[:num - 1] for k, v in jax.device_get(out).items()}
+        return jax.tree.map(lambda v: np.asarray(v)[:num - 1], jax.device_get(out))
 
-    def _score_impl(self, state, ids):
+    def _score_impl(self, state, ids) -> TokenLogprobs:
         model = nnx.merge(self.graphdef, state)
         logprobs = jax.nn.log_softmax(model(ids)[0, :-1], axis=-1)  # [T-1, V] f32
-        target = ids[0, 1:]
-        token_lp = jnp.take_along_axis(logprobs, target[:, None], axis=-1)[:, 0]
-        top_logprobs, top_ids = jax.lax.top_k(logprobs, min(NUM_TOP_LOGPROBS, logprobs.shape[-1]))
-        rank = 1 + jnp.sum(logprobs > token_lp[:, None], axis=-1)
-        return dict(logprob=token_lp, rank=rank, top_ids=top_ids, top_logprobs=top_logprobs)
+        return token_logprobs(logprobs, ids[0, 1:])
 
     def _abstract_args(self, bucket):
         t, s = bucket
-        host = (padding_inputs(t, s, self.pages_per_seq).arrays(),
-                padding_sampling(s, self.max_model_len), inactive_mask(s, self.vocab_size))
+        host = (StepInputs.from_batch(padding_inputs(t, s, self.pages_per_seq)),
+                padding_sampling(s, self.max_model_len, self.vocab_size))
         return jax.tree.map(lambda x: jax.ShapeDtypeStruct(
             np.shape(x), np.asarray(x).dtype, sharding=self._inputs_sharding), host)
 
-    def _compile(self, buckets, progress: bool = False):
+    def _compile(self, buckets, progress: bool = False, on_compiled=None):
         """Trace and lower each bucket's step (Python, serial), then compile them on a
-        thread pool: XLA compiles in C++ without the GIL, so buckets build in parallel."""
+        thread pool: XLA compiles in C++ without the GIL, so buckets build in parallel.
+        on_compiled(bucket, executable, seconds) is called as each one is ready."""
         from tqdm import tqdm
         lowered = [self._step.lower(self.state, self.kv_caches, *self._abstract_args(b))
                    for b in buckets]
+
+        def compile_one(bucket, low):
+            start = time.perf_counter()
+            executable = low.compile()
+            if on_compiled is not None:
+                on_compiled(bucket, executable, time.perf_counter() - start)
+            return executable
+
         workers = max(1, min(len(buckets), os.cpu_count() or 1))
         with concurrent.futures.ThreadPoolExecutor(workers) as pool:
-            compiled = list(tqdm(pool.map(lambda low: low.compile(), lowered), total=len(buckets),
+            compiled = list(tqdm(pool.map(compile_one, buckets, lowered), total=len(buckets),
                                  desc="compiling buckets", unit="bucket", disable=not progress))
         self._executables.update(zip(buckets, compiled))
         return compiled
 
-    def precompile(self, pairs, progress: bool = True) -> float:
+    def precompile(self, pairs, progress: bool = True, on_compiled=None) -> float:
         """Compile every (T, S) bucket up front, so serving never compiles."""
         start = time.perf_counter()
-        self._compile([tuple(p) for p in pairs], progress)
+        self._compile([tuple(p) for p in pairs], progress, on_compiled)
         return time.perf_counter() - start
 
 
@@ -163,5 +213,5 @@ def padding_inputs(num_tokens: int, num_seqs: int, pages_per_seq: int) -> ModelI
                        num_tokens=0)
 
 
-def padding_sampling(num_seqs: int, max_model_len: int) -> SamplingArrays:
-    return build_sampling_arrays([], num_seqs, max_model_len)
+def padding_sampling(num_seqs: int, max_model_len: int, vocab_size: int) -> SamplingArrays:
+    return build_sampling_arrays([], num_seqs, max_model_len, vocab_size)

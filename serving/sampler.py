@@ -9,13 +9,14 @@ from __future__ import annotations
 
 import dataclasses
 import functools
+from collections.abc import Sequence
 
 import jax
 import jax.numpy as jnp
 import numpy as np
 
 from serving.request import SAMPLING_EPS, SamplingParams
-from serving.structured import TokenMask
+from serving.structured import TokenMask, inactive_mask
 
 jax.tree_util.register_dataclass(TokenMask, data_fields=["active", "bits"], meta_fields=[])
 
@@ -40,6 +41,42 @@ class SamplingArrays:
     blocked_ids: np.ndarray  # i32[S, NUM_BLOCKED]: ids masked this step (min_tokens)
     penalty_tokens: np.ndarray  # i32[S, W]: prompt + output ids, -1 padded (W = max_model_len)
     num_prompt_tokens: np.ndarray  # i32[S]: how many of penalty_tokens are prompt
+    # Allowed tokens of rows under a grammar (serving/structured.py). None only in transit:
+    # the runner swaps in a device-resident inactive mask for steps without a grammar.
+    token_mask: TokenMask | None
+
+
+@dataclasses.dataclass(slots=True)
+class SamplingEntry:
+    """One sequence's row of a step's SamplingArrays (built per sequence per step: slots,
+    positional construction, no validation)."""
+
+    params: SamplingParams
+    seed: int
+    output_index: int  # which output token this draw is
+    blocked_ids: tuple[int, ...]  # ids masked this step (eos/stop ids before min_tokens)
+    penalty_tokens: list[int] | None  # prompt + output ids; None unless penalties apply
+    num_prompt_tokens: int
+
+
+@jax.tree_util.register_dataclass
+@dataclasses.dataclass(frozen=True)
+class TokenLogprobs:
+    """Per row: the logprob of one chosen token, its rank, and the most likely tokens."""
+
+    logprob: jax.Array  # f32[R]
+    rank: jax.Array  # i32[R]: 1 + the number of strictly more likely tokens
+    top_ids: jax.Array  # i32[R, NUM_TOP_LOGPROBS] most likely first
+    top_logprobs: jax.Array  # f32[R, NUM_TOP_LOGPROBS]
+
+
+@jax.tree_util.register_dataclass
+@dataclasses.dataclass(frozen=True)
+class SamplerOutput:
+    """What one step samples: a token per sequence and logprobs of the raw distribution."""
+
+    token_ids: jax.Array  # i32[S]
+    logprobs: TokenLogprobs
 
 
 @functools.lru_cache(maxsize=64)
@@ -51,9 +88,19 @@ def _no_penalty_tokens(num_seqs: int, width: int) -> np.ndarray:
     return template
 
 
-def build_sampling_arrays(entries, num_padded_seqs: int, max_model_len: int) -> SamplingArrays:
-    """entries: per real sequence (params, seed, output_index, blocked ids, token ids or None,
-    num prompt tokens). Rows past the real sequences are greedy padding."""
+@functools.lru_cache(maxsize=64)
+def _no_token_mask(num_seqs: int, vocab_size: int) -> TokenMask:
+    """The inactive mask, built once per shape and shared read-only (as _no_penalty_tokens)."""
+    mask = inactive_mask(num_seqs, vocab_size)
+    mask.bits.flags.writeable = False
+    return mask
+
+
+def build_sampling_arrays(entries: Sequence[SamplingEntry], num_padded_seqs: int,
+                          max_model_len: int, vocab_size: int,
+                          token_mask: TokenMask | None = None) -> SamplingArrays:
+    """One row per real sequence's entry; rows past them are greedy padding. `token_mask`:
+    the grammar rows' allowed tokens this step (None: no row is constrained)."""
     s = num_padded_seqs
     arrays = SamplingArrays(
         temperature=np.zeros(s, np.float32), top_p=np.ones(s, np.float32),
@@ -62,21 +109,24 @@ def build_sampling_arrays(entries, num_padded_seqs: int, max_model_len: int) -> 
         repetition_penalty=np.ones(s, np.float32), seed=np.zeros(s, np.uint32),
         output_index=np.zeros(s, np.int32), blocked_ids=np.full((s, NUM_BLOCKED), -1, np.int32),
         penalty_tokens=_no_penalty_tokens(s, max_model_len),
-        num_prompt_tokens=np.zeros(s, np.int32))
-    for i, (p, seed, out_idx, blocked, tokens, num_prompt) in enumerate(entries):
+        num_prompt_tokens=np.zeros(s, np.int32),
+        token_mask=_no_token_mask(s, vocab_size) if token_mask is None else token_mask)
+    for i, entry in enumerate(entries):
+        p = entry.params
         arrays.temperature[i] = p.temperature
         arrays.top_p[i], arrays.top_k[i], arrays.min_p[i] = p.top_p, max(p.top_k, 0), p.min_p
         arrays.presence_penalty[i] = p.presence_penalty
         arrays.frequency_penalty[i] = p.frequency_penalty
         arrays.repetition_penalty[i] = p.repetition_penalty
-        arrays.seed[i], arrays.output_index[i] = seed, out_idx
-        if blocked:
-            arrays.blocked_ids[i, :len(blocked)] = blocked
+        arrays.seed[i], arrays.output_index[i] = entry.seed, entry.output_index
+        if entry.blocked_ids:
+            arrays.blocked_ids[i, :len(entry.blocked_ids)] = entry.blocked_ids
+        tokens = entry.penalty_tokens
         if tokens is not None:  # only requests that use penalties pay for this copy
             if not arrays.penalty_tokens.flags.writeable:
                 arrays.penalty_tokens = arrays.penalty_tokens.copy()
             arrays.penalty_tokens[i, :len(tokens)] = tokens
-            arrays.num_prompt_tokens[i] = num_prompt
+            arrays.num_prompt_tokens[i] = entry.num_prompt_tokens
     return arrays
 
 
@@ -163,11 +213,22 @@ def apply_token_mask(logits, bits):
     return jnp.where(allowed == 1, logits, -jnp.inf)
 
 
-def sample(logits: jax.Array, sa: SamplingArrays, mask: TokenMask | None = None) -> dict:
-    """logits: f32[S, V] -> sampled ids and logprobs of the raw distribution. `mask`: the
-    grammar's allowed tokens of constrained rows, applied only when it is active."""
+def token_logprobs(logprobs: jax.Array, tokens: jax.Array) -> TokenLogprobs:
+    """logprobs: f32[R, V] (log-softmax); tokens: int[R] -> each row's chosen token's
+    logprob and rank, and the row's NUM_TOP_LOGPROBS most likely tokens."""
+    token_lp = jnp.take_along_axis(logprobs, tokens[:, None], axis=-1)[:, 0]
+    top_logprobs, top_ids = jax.lax.top_k(logprobs, min(NUM_TOP_LOGPROBS, logprobs.shape[-1]))
+    rank = 1 + jnp.sum(logprobs > token_lp[:, None], axis=-1)
+    return TokenLogprobs(logprob=token_lp, rank=rank.astype(jnp.int32),
+                         top_ids=top_ids.astype(jnp.int32), top_logprobs=top_logprobs)
+
+
+def sample(logits: jax.Array, sa: SamplingArrays) -> SamplerOutput:
+    """logits: f32[S, V] -> sampled ids and logprobs of the raw distribution. The grammar
+    mask of constrained rows (structured outputs) applies only when it is active."""
     num_seqs, vocab = logits.shape
     logprobs = jax.nn.log_softmax(logits, axis=-1)  # raw, before any processing
+    mask = sa.token_mask
     if mask is not None:
         logits = jax.lax.cond(mask.active, lambda: apply_token_mask(logits, mask.bits),
                               lambda: logits)
@@ -184,8 +245,5 @@ def sample(logits: jax.Array, sa: SamplingArrays, mask: TokenMask | None = None)
     token = jax.lax.cond(
         all_greedy, lambda: greedy,
         lambda: jnp.where(sa.temperature < SAMPLING_EPS, greedy, _random_sample(logits, sa)))
-    token_logprob = jnp.take_along_axis(logprobs, token[:, None], axis=-1)[:, 0]
-    top_logprobs, top_ids = jax.lax.top_k(logprobs, min(NUM_TOP_LOGPROBS, vocab))
-    rank = 1 + jnp.sum(logprobs > token_logprob[:, None], axis=-1)
-    return dict(token=token.astype(jnp.int32), logprob=token_logprob, rank=rank.astype(jnp.int32),
-                top_ids=top_ids.astype(jnp.int32), top_logprobs=top_logprobs)
+    return SamplerOutput(token_ids=token.astype(jnp.int32),
+                         logprobs=token_logprobs(logprobs, token))

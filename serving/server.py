@@ -1,4 +1,8 @@
-"""OpenAI-compatible HTTP routes (aiohttp) over `AsyncLLM`.
+"""The HTTP server: OpenAI-compatible routes (aiohttp) over `AsyncLLM`, and `qwen-jax serve`
+(start-up report, serve until SIGTERM/SIGINT, then drain: stop accepting, let in-flight
+requests finish within the timeout, abort the rest, exit 0). When a failed step kills the
+engine, in-flight and new requests get a 500 and /health a 503; once those responses are
+out the server exits 1, for its supervisor to restart it.
 
 Parsing and response shapes live in `openai_protocol`; generation lives in the engine. A
 client that disconnects cancels its handler (`handler_cancellation=True`), which closes
@@ -9,66 +13,36 @@ from __future__ import annotations
 
 import asyncio
 import dataclasses
-import hmac
 import logging
+import os
+import signal
 import time
 import uuid
 from pathlib import Path
 
 from aiohttp import web
 
+from serving import http_policy
 from serving import openai_protocol as proto
+from serving.api_errors import APIError, error_body
+from serving.async_llm import AsyncLLM, EngineDeadError, RequestFailedError
 from serving.chat_reply import ReplyFormat
-from serving.metrics import CONTENT_TYPE, Metrics
+from serving.config import ServerConfig
+from serving.metrics import CONTENT_TYPE, log_throughput, metrics_for
 from serving.openai_outputs import Job, merge, sse
-from serving.openai_protocol import APIError
 from serving.openai_structured import reply_format
 from serving.reasoning import reasoning_parser_class
 from serving.scheduler import QueueFullError
 from serving.tool_parsers import CALL_END, CALL_START, tool_parser_class
 
 logger = logging.getLogger("qwen_jax.server")
-STATE = web.AppKey("state", object)
 LOG = web.RequestKey("log", dict)
-
-
-@dataclasses.dataclass(frozen=True, kw_only=True)
-class ServerConfig:
-    host: str = "127.0.0.1"
-    port: int = 8000
-    api_key: str | None = None
-    served_model_name: str | None = None
-    max_request_body_mb: float = 8.0
-    shutdown_timeout: float = 30.0  # seconds in-flight requests get to finish on SIGTERM
-    log_interval: float = 10.0  # seconds between throughput lines; 0 disables
-    retry_after: int = 1  # seconds, sent with 503 when the waiting queue is full
-    reasoning_parser: str | None = None  # e.g. "qwen3": chat replies split out reasoning_content
-    tool_call_parser: str | None = None  # e.g. "hermes": tool calls parsed out of chat replies
-    enable_auto_tool_choice: bool = False  # tool_choice "auto" (needs tool_call_parser)
-    chat_template: str | None = None  # a file (or the template itself) replacing the model's
-    default_chat_template_kwargs: dict = dataclasses.field(default_factory=dict)
-
-    def __post_init__(self) -> None:
-        if not 0 <= self.port <= 65535:
-            raise ValueError(f"port must be in [0, 65535], got {self.port}")
-        if self.max_request_body_mb <= 0:
-            raise ValueError(f"max_request_body_mb must be > 0, got {self.max_request_body_mb}")
-        if self.shutdown_timeout < 0:
-            raise ValueError(f"shutdown_timeout must be >= 0, got {self.shutdown_timeout}")
-        if self.reasoning_parser is not None:
-            reasoning_parser_class(self.reasoning_parser)
-        if self.tool_call_parser is not None:
-            tool_parser_class(self.tool_call_parser)
-        if self.enable_auto_tool_choice and self.tool_call_parser is None:
-            raise ValueError("enable_auto_tool_choice needs a tool_call_parser")
-        if not isinstance(self.default_chat_template_kwargs, dict):
-            raise ValueError(f"default_chat_template_kwargs must be a JSON object, got "
-                             f"{self.default_chat_template_kwargs!r:.40}")
+REQUEST_ID = web.RequestKey("request_id", str)
 
 
 def json_error(status: int, message: str, param: str | None = None,
                headers: dict | None = None) -> web.Response:
-    return web.json_response(proto.error_body(status, message, param), status=status,
+    return web.json_response(error_body(status, message, param), status=status,
                              headers=headers)
 
 
@@ -83,20 +57,34 @@ class OpenAIServer:
         self.tokenizer = _with_template(llm.tokenizer, config.chat_template)
         self.default_sampling = engine.default_sampling
         self.max_body = int(config.max_request_body_mb * 2**20)
-        self.metrics = Metrics(llm, self.model_name)
+        self.metrics = metrics_for(llm, self.model_name, config.metrics_prefix)
         self.reasoning_parser = (reasoning_parser_class(config.reasoning_parser)
                                  if config.reasoning_parser else None)
         self.tool_parser = (tool_parser_class(config.tool_call_parser)
                             if config.tool_call_parser else None)
         self.draining = False
+        self.num_active = 0  # handlers running: a dead engine's server exits once it is 0
         self.created = int(time.time())
 
     # ---- plumbing ----------------------------------------------------------------------
     @web.middleware
     async def middleware(self, request: web.Request, handler):
         started = time.perf_counter()
-        request[LOG] = {}
+        self.num_active += 1
         try:
+            return await self._handle(request, handler, started)
+        finally:
+            self.num_active -= 1
+
+    async def _handle(self, request: web.Request, handler, started: float):
+        try:
+            request[REQUEST_ID], bad_id = http_policy.request_id(request.headers), None
+        except ValueError as exc:  # answered with a fresh id
+            request[REQUEST_ID], bad_id = uuid.uuid4().hex, exc
+        request[LOG] = {"request_id": request[REQUEST_ID]}
+        try:
+            if bad_id is not None:
+                raise APIError(400, str(bad_id), param=http_policy.REQUEST_ID_HEADER)
             response = await self._guarded(request, handler)
         except APIError as exc:
             response = json_error(exc.status, exc.message, exc.param, exc.headers)
@@ -108,18 +96,34 @@ class OpenAIServer:
         except (asyncio.CancelledError, ConnectionError):
             request[LOG]["status"] = "disconnected"
             self._log_request(request, started)
+            self.metrics.http_responses.labels(self.model_name, "499").inc()
             raise
         except Exception:
             logger.exception("internal error on %s %s", request.method, request.path)
             response = json_error(500, "internal server error")
-        request[LOG].setdefault("status", response.status)
+        status = request[LOG].setdefault("status", response.status)
         self._log_request(request, started)
+        code = "499" if status == "disconnected" else str(response.status)
+        self.metrics.http_responses.labels(self.model_name, code).inc()
         return response
+
+    async def on_response_prepare(self, request: web.Request, response) -> None:
+        """Headers every response carries, streamed ones too (set before they are sent)."""
+        if REQUEST_ID in request:
+            response.headers[http_policy.REQUEST_ID_HEADER] = request[REQUEST_ID]
+        response.headers.update(http_policy.cors_headers(request.headers.get("Origin"),
+                                                         self.config.allowed_origins))
 
     async def _guarded(self, request: web.Request, handler):
         path = request.path
-        if self.config.api_key and path.startswith(("/v1", "/tokenize", "/detokenize")):
-            self._check_api_key(request)
+        if request.method == "OPTIONS" and "Access-Control-Request-Method" in request.headers:
+            return self._preflight(request)  # browsers send no credentials here
+        key = self.config.api_key
+        if key and path.startswith(("/v1", "/tokenize", "/detokenize")):
+            self._check_api_key(request, key)
+        if self.llm.dead is not None and path not in ("/health", "/metrics"):
+            raise APIError(500, f"engine is dead ({self.llm.dead!r}); the server is exiting "
+                                "for its supervisor to restart it")
         if self.draining and path not in ("/health", "/metrics"):
             raise APIError(503, "server is shutting down",
                            headers={"Retry-After": str(self.config.retry_after)})
@@ -128,11 +132,20 @@ class OpenAIServer:
                                 f"{self.max_body} (--max-request-body-mb)", param="body")
         return await handler(request)
 
-    def _check_api_key(self, request: web.Request) -> None:
-        header = request.headers.get("Authorization", "")
-        token = header[7:] if header.lower().startswith("bearer ") else ""
-        if not hmac.compare_digest(token.encode(), self.config.api_key.encode()):
+    @staticmethod
+    def _check_api_key(request: web.Request, key: str) -> None:
+        if not http_policy.api_key_matches(request.headers.get("Authorization", ""), key):
             raise APIError(401, "missing or invalid API key (Authorization: Bearer <key>)")
+
+    def _preflight(self, request: web.Request) -> web.Response:
+        origin = request.headers.get("Origin")
+        headers = http_policy.preflight_headers(
+            origin, self.config.allowed_origins,
+            request.headers.get("Access-Control-Request-Headers"))
+        if headers is None:
+            raise APIError(403, f"origin {origin!r} is not allowed (--allowed-origins)",
+                           param="Origin")
+        return web.Response(status=204, headers=headers)
 
     def _log_request(self, request: web.Request, started: float) -> None:
         info = request[LOG]
@@ -202,8 +215,9 @@ class OpenAIServer:
 
     # ---- tools and structured outputs ------------------------------------------------
     def _reply_format(self, req: proto.ParsedRequest) -> ReplyFormat:
+        constrained = req.tool_request is not None and req.tool_request.constrained
         tag_ids = {tag: self._need_tokenizer().backend.token_to_id(tag)
-                   for tag in (CALL_START, CALL_END)} if req.tool_request.constrained else {}
+                   for tag in (CALL_START, CALL_END)} if constrained else {}
         auto = self.tool_parser if self.config.enable_auto_tool_choice else None
         return reply_format(req, self.reasoning_parser, auto, tag_ids)
 
@@ -226,18 +240,20 @@ class OpenAIServer:
     async def _generate(self, request, req: proto.ParsedRequest, prompts: list[list[int]],
                         kind: str, prompt_param: str,
                         reply: ReplyFormat | None = None) -> web.StreamResponse:
-        for i, ids in enumerate(prompts):
+        for ids in prompts:
             if not ids:
                 raise APIError(400, f"{prompt_param} is empty: it must contain at least one "
                                     "token", param=prompt_param)
         params = [proto.sampling_params(req, len(ids), self.max_model_len, prompt_param)
                   for ids in prompts]
-        job = Job(kind=kind, request_id=f"{kind}-{uuid.uuid4().hex}", model=self.model_name,
+        job = Job(kind=kind, request_id=f"{kind}-{request[REQUEST_ID]}", model=self.model_name,
                   req=req, prompts=prompts, params=params, metrics=self.metrics,
                   reply=reply or ReplyFormat())
-        request[LOG].update(id=job.request_id, prompt_tokens=sum(map(len, prompts)))
+        request[LOG].update(prompt_tokens=sum(map(len, prompts)))
+        # Engine ids stay unique even when clients reuse an X-Request-Id.
+        engine_id = f"{job.request_id}-{uuid.uuid4().hex[:8]}"
         gens = [self.llm.generate({"prompt_token_ids": ids}, p,
-                                  request_id=f"{job.request_id}-{i}", priority=req.priority)
+                                  request_id=f"{engine_id}-{i}", priority=req.priority)
                 for i, (ids, p) in enumerate(zip(prompts, params))]
         outputs = merge(gens)
         try:
@@ -261,14 +277,16 @@ class OpenAIServer:
         except QueueFullError as exc:
             raise APIError(503, f"server overloaded: {exc}; retry later",
                            headers={"Retry-After": str(self.config.retry_after)}) from None
+        except (EngineDeadError, RequestFailedError) as exc:
+            raise APIError(500, str(exc)) from None
         except ValueError as exc:
             raise APIError(400, str(exc)) from None
 
     async def _stream(self, request, job: Job, first, outputs) -> web.StreamResponse:
         response = web.StreamResponse(headers={"Content-Type": "text/event-stream",
                                                "Cache-Control": "no-cache"})
-        await response.prepare(request)
         try:
+            await response.prepare(request)
             for chunk in job.chunks(*first):
                 await response.write(sse(chunk))
             async for index, output in outputs:
@@ -276,12 +294,15 @@ class OpenAIServer:
                     await response.write(sse(chunk))
             if job.req.include_usage:
                 await response.write(sse(job.usage_chunk()))
-        except (asyncio.CancelledError, ConnectionError):
+        except asyncio.CancelledError:
             raise
+        except ConnectionError:  # the client left: aiohttp closes the stream quietly
+            request[LOG]["status"] = "disconnected"
+            return response
         except Exception as exc:  # headers are out: report in-band, then end the stream
             logger.exception("stream %s failed", job.request_id)
             status = exc.status if isinstance(exc, APIError) else 500
-            await response.write(sse(proto.error_body(status, str(exc))))
+            await response.write(sse(error_body(status, str(exc))))
         await response.write(b"data: [DONE]\n\n")
         await response.write_eof()
         request[LOG].update(job.log_fields())
@@ -331,29 +352,16 @@ class OpenAIServer:
 
     # ---- background ------------------------------------------------------------------
     async def log_throughput(self, app: web.Application):
-        task = asyncio.create_task(self._throughput_loop()) if self.config.log_interval else None
+        task = (asyncio.create_task(log_throughput(self.metrics, self.llm, self.config.log_interval,
+                                                   logger)) if self.config.log_interval else None)
         self.llm.step_listeners.append(self.metrics.on_step)
         yield
         self.llm.step_listeners.remove(self.metrics.on_step)
         if task is not None:
             task.cancel()
 
-    async def _throughput_loop(self) -> None:
-        last = (time.monotonic(), self.metrics.num_prompt_tokens, self.metrics.num_generation_tokens)
-        while True:
-            await asyncio.sleep(self.config.log_interval)
-            now = (time.monotonic(), self.metrics.num_prompt_tokens,
-                   self.metrics.num_generation_tokens)
-            s = self.llm.stats()
-            if now[1:] != last[1:] or s["num_running"] or s["num_waiting"]:
-                seconds = now[0] - last[0]
-                logger.info("prompt throughput: %.1f tokens/s, generation throughput: %.1f "
-                            "tokens/s, running: %d reqs, waiting: %d reqs, KV cache usage: "
-                            "%.1f%%, prefix cache hit rate: %.1f%%",
-                            (now[1] - last[1]) / seconds, (now[2] - last[2]) / seconds,
-                            s["num_running"], s["num_waiting"], 100 * s["kv_cache_usage"],
-                            100 * s["prefix_cache_hit_rate"])
-            last = now
+
+STATE = web.AppKey("state", OpenAIServer)
 
 
 def _with_template(tokenizer, template: str | None):
@@ -374,6 +382,7 @@ def build_app(llm, config: ServerConfig | None = None) -> web.Application:
     app = web.Application(middlewares=[server.middleware], client_max_size=server.max_body)
     app[STATE] = server
     app.cleanup_ctx.append(server.log_throughput)
+    app.on_response_prepare.append(server.on_response_prepare)
     app.add_routes([
         web.post("/v1/completions", server.completions),
         web.post("/v1/chat/completions", server.chat_completions),
@@ -384,3 +393,95 @@ def build_app(llm, config: ServerConfig | None = None) -> web.Application:
         web.post("/detokenize", server.detokenize),
     ])
     return app
+
+
+# ---- `qwen-jax serve` -------------------------------------------------------------------
+def startup_report(llm, seconds: float) -> str:
+    engine = llm.engine
+    stats = llm.stats()
+    pairs = engine.bucket_pairs
+    compiled = (f"compiled {len(pairs)} (tokens, seqs) buckets in {engine.compile_seconds:.1f} s"
+                if engine.config.precompile else f"{len(pairs)} buckets compile on first use "
+                                                 "(--no-precompile)")
+    return (f"model {engine.model_path} loaded in {engine.load_seconds:.1f} s; {compiled}; "
+            f"KV cache: {stats['kv_capacity_tokens']:,} tokens in {stats['num_total_pages']:,} "
+            f"pages of {engine.page_size}; max_model_len {engine.max_model_len}; "
+            f"ready in {seconds:.1f} s")
+
+
+async def serve(llm, config: ServerConfig) -> int:
+    app = build_app(llm, config)
+    runner = web.AppRunner(app, handler_cancellation=True, access_log=None,
+                           shutdown_timeout=5.0)
+    await runner.setup()
+    site = web.TCPSite(runner, config.host, config.port)
+    await site.start()
+    stop, dead = asyncio.Event(), asyncio.Event()
+    loop = asyncio.get_running_loop()
+    for sig in (signal.SIGTERM, signal.SIGINT):
+        loop.add_signal_handler(sig, stop.set)
+    llm.dead_listeners.append(lambda exc: loop.call_soon_threadsafe(dead.set))
+    if llm.dead is not None:
+        dead.set()
+    logger.info("serving %s on http://%s:%d", app[STATE].model_name, config.host, config.port)
+    print(f"serving on http://{config.host}:{config.port}", flush=True)
+    waits = [asyncio.create_task(stop.wait()), asyncio.create_task(dead.wait())]
+    await asyncio.wait(waits, return_when=asyncio.FIRST_COMPLETED)
+    for task in waits:
+        task.cancel()
+    if dead.is_set():
+        await exit_dead(app, runner, site, llm, config.shutdown_timeout)
+        return 1
+    await drain(app, runner, site, llm, config.shutdown_timeout)
+    return 0 if llm.dead is None else 1  # it may have died while draining
+
+
+async def exit_dead(app, runner, site, llm, timeout: float) -> None:
+    """The engine died: let the handlers in flight send their 500s (new requests get one
+    too), then stop; the caller exits non-zero."""
+    logger.critical("engine is dead (%r): answering the requests in flight with 500, then "
+                    "exiting with status 1", llm.dead)
+    server = app[STATE]
+    loop = asyncio.get_running_loop()
+    deadline = loop.time() + timeout
+    while server.num_active and loop.time() < deadline:
+        await asyncio.sleep(0.05)
+    await site.stop()
+    await runner.cleanup()
+
+
+async def drain(app, runner, site, llm, timeout: float) -> None:
+    logger.info("shutting down: no new requests; waiting up to %.0f s for in-flight ones", timeout)
+    app[STATE].draining = True
+    await site.stop()
+    if not await llm.wait_until_idle(timeout):
+        logger.warning("shutdown timeout: aborting %d unfinished requests",
+                       len(llm.engine.request_ids()))
+        await llm.abort_all()
+    await runner.cleanup()
+    logger.info("shut down cleanly")
+
+
+def run(args, engine_kwargs: dict) -> int:
+    """`qwen-jax serve`: build the engine, report, serve until a signal, drain."""
+    logging.basicConfig(level=logging.INFO,
+                        format="%(asctime)s %(levelname)s %(name)s: %(message)s")
+    config = ServerConfig(host=args.host, port=args.port,
+                          api_key=args.api_key or os.environ.get("QWEN_JAX_API_KEY") or None,
+                          served_model_name=args.served_model_name,
+                          max_request_body_mb=args.max_request_body_mb,
+                          shutdown_timeout=args.shutdown_timeout, log_interval=args.log_interval,
+                          reasoning_parser=args.reasoning_parser,
+                          tool_call_parser=args.tool_call_parser,
+                          enable_auto_tool_choice=args.enable_auto_tool_choice,
+                          chat_template=args.chat_template,
+                          default_chat_template_kwargs=args.default_chat_template_kwargs,
+                          allowed_origins=http_policy.parse_origins(args.allowed_origins),
+                          metrics_prefix=args.metrics_prefix)
+    started = time.perf_counter()
+    llm = AsyncLLM(args.model, **engine_kwargs)
+    print(startup_report(llm, time.perf_counter() - started), flush=True)
+    try:
+        return asyncio.run(serve(llm, config))
+    finally:
+        llm.shutdown()

@@ -13,10 +13,14 @@ import concurrent.futures
 import dataclasses
 import json
 import threading
+from typing import TYPE_CHECKING, cast
 
 import numpy as np
 
 from serving.structured_params import COMPACT_JSON, StructuredOutputsParams
+
+if TYPE_CHECKING:
+    from llguidance._lib import JsonCompileOptions
 
 THINK_START, THINK_END, TURN_START = "<think>", "</think>", "<|im_start|>"
 NO_SPACES = {"whitespace_flexible": False, "item_separator": ",", "key_separator": ":"}
@@ -37,26 +41,28 @@ def inactive_mask(num_seqs: int, vocab_size: int) -> TokenMask:
                                               np.int32))
 
 
-def _json_options(params: StructuredOutputsParams) -> dict:
+def _json_options(params: StructuredOutputsParams) -> JsonCompileOptions:
     if params.whitespace_pattern is not None:
         return {"whitespace_flexible": True, "whitespace_pattern": params.whitespace_pattern}
-    return NO_SPACES if params.disable_any_whitespace else COMPACT_JSON
+    return cast("JsonCompileOptions", NO_SPACES if params.disable_any_whitespace
+                else COMPACT_JSON)
 
 
 def body_grammar(params: StructuredOutputsParams) -> dict:
-    """The constraint as one entry of llguidance's `{"grammars": [...]}` list."""
+    """The constraint as one entry of llguidance's `{"grammars": [...]}` list (exactly one
+    of the fields is set: StructuredOutputsParams checks it)."""
     import llguidance
-    kind = params.kind
-    if kind in ("json", "json_object"):
-        text = llguidance.LLMatcher.grammar_from_json_schema(params.schema,
+    schema = params.schema
+    if schema is not None:
+        text = llguidance.LLMatcher.grammar_from_json_schema(schema,
                                                              defaults=_json_options(params))
         return json.loads(text)["grammars"][0]
-    if kind == "regex":
+    if params.regex is not None:
         return json.loads(llguidance.LLMatcher.grammar_from_regex(params.regex))["grammars"][0]
-    if kind == "choice":
+    if params.choice is not None:
         return {"lark_grammar": "start: " + " | ".join(json.dumps(c) for c in params.choice)}
     try:
-        return {"lark_grammar": llguidance.grammar_from("grammar", params.grammar)}
+        return {"lark_grammar": llguidance.grammar_from("grammar", params.grammar or "")}
     except ValueError as exc:
         raise ValueError(f"structured_outputs.grammar: {exc}") from None
 
@@ -91,7 +97,7 @@ class GrammarCompiler:
         writes them; unbounded newlines would let a model that wants to write something
         else newline forever), then the constraint."""
         body = {**body_grammar(params), "name": "body"}
-        if not thinking:
+        if not thinking or self.think_ids is None:
             return json.dumps({"grammars": [body]})
         start, end = self.think_ids
         wrapper = (f"start: think? @body\nthink: <[{start}]> <[^{end}]>* <[{end}]> NL\n"

@@ -130,8 +130,9 @@ class HermesToolParser:
         if not bodies:
             return ParsedReply(text, [])
         names = None if tool_names is None else frozenset(tool_names)
-        calls = [_parse_call(body, names) for body in bodies]
-        if any(call is None for call in calls):
+        parsed = [_parse_call(body, names) for body in bodies]
+        calls = [call for call in parsed if call is not None]
+        if len(calls) < len(parsed):  # one bad call: the text stays content, as vLLM's
             return ParsedReply(text, [])
         return ParsedReply(before or None, calls[:max_calls])
 
@@ -145,7 +146,7 @@ class HermesToolParser:
         self._text += delta
         before, bodies = _regions(self._text)
         content = self._content(before, bool(bodies) or finished)
-        deltas = []
+        deltas: list[dict] = []
         for index, body in enumerate(bodies[:self.max_calls]):
             if not self._advance(index, body, deltas):
                 break

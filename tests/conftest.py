@@ -5,9 +5,14 @@ import os
 
 os.environ["XLA_FLAGS"] = (os.environ.get("XLA_FLAGS", "")
                            + " --xla_force_host_platform_device_count=8").strip()
+# CPU unless JAX_PLATFORMS says otherwise: CI has no GPU and the sharding tests want the 8
+# simulated host devices. On a GPU machine `JAX_PLATFORMS=cuda` runs the kernels compiled
+# (benchmarks/device_check.sh does); benchmarks/device_probe.py never goes through pytest.
 os.environ.setdefault("JAX_PLATFORMS", "cpu")
 os.environ.setdefault("TOKENIZERS_PARALLELISM", "false")
 
 import jax  # noqa: E402
 
 jax.config.update("jax_default_matmul_precision", "highest")
+
+pytest_plugins = ["tests.helpers.no_skips", "pytester"]

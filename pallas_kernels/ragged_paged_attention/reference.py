@@ -1,7 +1,12 @@
 """Plain-jnp ragged paged attention: the correctness oracle and the CPU implementation."""
 
+import dataclasses
+
 import jax
 import jax.numpy as jnp
+from jax.typing import ArrayLike
+
+from pallas_kernels.array_types import Array, Float, Int, Shaped
 
 # Tokens are processed in blocks of this many rows so a long prefill chunk never
 # materialises its whole [T, C, K, H] key gather at once.
@@ -66,11 +71,30 @@ def _attend_block(q, seq, pos, valid, k_pages, v_pages, page_table, k_scale, v_s
     return jnp.where(valid[:, None, None], out, 0.0).astype(q.dtype)
 
 
+@jax.tree_util.register_dataclass
+@dataclasses.dataclass(frozen=True)
+class ReferencePlan:
+    """Per query row of a step: its sequence, absolute position, and whether it is real."""
+    seq: jax.Array    # int32[T]
+    pos: jax.Array    # int32[T]
+    valid: jax.Array  # bool[T]
+
+
+def plan_attention_reference(query_start, kv_lens, num_seqs, *, num_tokens, num_q_heads=None,
+                             num_kv_heads=None, head_dim=None, block_q=None,
+                             num_splits=None) -> ReferencePlan:
+    """The reference's per-step plan; same signature as the kernel's `plan_attention`."""
+    del num_q_heads, num_kv_heads, head_dim, block_q, num_splits
+    return ReferencePlan(*token_positions(jnp.asarray(query_start), jnp.asarray(kv_lens),
+                                          num_seqs, num_tokens))
+
+
 def token_positions(query_start, kv_lens, num_seqs, num_tokens):
     """Per query row: (sequence index, absolute position, is-real-token)."""
     rows = jnp.arange(num_tokens, dtype=jnp.int32)                        # [T]
     num_seqs_max = kv_lens.shape[0]
-    seq = jnp.searchsorted(query_start, rows, side="right").astype(jnp.int32) - 1
+    seq = jnp.searchsorted(query_start, rows, side="right",
+                           method="compare_all").astype(jnp.int32) - 1
     seq = jnp.clip(seq, 0, num_seqs_max - 1)                              # [T]
     q_lens = query_start[1:] - query_start[:-1]                           # [S]
     pos = kv_lens[seq] - q_lens[seq] + (rows - query_start[seq])          # [T]
@@ -78,14 +102,19 @@ def token_positions(query_start, kv_lens, num_seqs, num_tokens):
     return seq, pos.astype(jnp.int32), valid
 
 
-def ragged_paged_attention_reference(q, k_pages, v_pages, kv_lens, page_table, query_start,
-                                     num_seqs, *, sm_scale, k_scale=None, v_scale=None,
-                                     interpret=False, **block_sizes):
+def ragged_paged_attention_reference(
+        q: Float[ArrayLike, "T N H"], k_pages: Shaped[ArrayLike, "P L K H"],
+        v_pages: Shaped[ArrayLike, "P L K H"], kv_lens: Int[ArrayLike, " S"],
+        page_table: Int[ArrayLike, "S pages_per_seq"], query_start: Int[ArrayLike, " S+1"],
+        num_seqs: Int[ArrayLike, ""], *, sm_scale, k_scale: Float[ArrayLike, " K"] | None = None,
+        v_scale: Float[ArrayLike, " K"] | None = None, plan: ReferencePlan | None = None,
+        interpret=False, **block_sizes) -> Float[Array, "T N H"]:
     """Causal attention of ragged query rows over a paged KV cache, in plain jnp.
 
     q: [T, N, H]; k_pages, v_pages: [P, L, K, H]; kv_lens: int32[S];
     page_table: int32[S, pages_per_seq]; query_start: int32[S+1]; num_seqs: int32 scalar.
     k_scale, v_scale: float32[K] dequantisation scales for fp8/int8 pages, or None.
+    `plan` (plan_attention_reference) is built once per step and shared by the layers.
     `interpret` and `block_sizes` are accepted only so it can stand in for the kernel.
     Returns [T, N, H] in q's dtype; padding rows are zero.
     """
@@ -93,7 +122,9 @@ def ragged_paged_attention_reference(q, k_pages, v_pages, kv_lens, page_table, q
     q, k_pages, v_pages, kv_lens, page_table, query_start = map(
         jnp.asarray, (q, k_pages, v_pages, kv_lens, page_table, query_start))
     num_tokens = q.shape[0]
-    seq, pos, valid = token_positions(query_start, kv_lens, num_seqs, num_tokens)
+    if plan is None:
+        plan = plan_attention_reference(query_start, kv_lens, num_seqs, num_tokens=num_tokens)
+    seq, pos, valid = plan.seq, plan.pos, plan.valid
     attend = lambda args: _attend_block(*args, k_pages, v_pages, page_table, k_scale,
                                         v_scale, sm_scale)
     if num_tokens <= _TOKEN_BLOCK:

@@ -54,7 +54,18 @@ def add_serve_args(p: argparse.ArgumentParser) -> None:
     r.add_argument("--metric-percentiles", default="90,99")
     r.add_argument("--result-json", default=None)
     r.add_argument("--save-detailed", action="store_true",
-                   help="add per-request lengths and latencies to the JSON")
+                   help="add per-request lengths, send times and latencies to the JSON")
+    r.add_argument("--metrics-interval", type=float, default=0.5,
+                   help="seconds between samples of the server's /metrics (running and "
+                        "waiting requests) kept in the JSON's timeline; 0: none")
+    r.add_argument("--plot", default=None, metavar="FILE.png",
+                   help="draw TTFT and ITL distributions, throughput and running/waiting "
+                        "requests over the run (needs matplotlib: the plot extra)")
+    r.add_argument("--plot-results", nargs="+", default=None, metavar="RESULT.json",
+                   help="with --plot: draw these result files side by side instead of "
+                        "running a benchmark (saved with --save-detailed or --plot)")
+    r.add_argument("--plot-labels", nargs="+", default=None, metavar="LABEL",
+                   help="a label per --plot-results file (default: the file names)")
 
 
 def add_throughput_args(p: argparse.ArgumentParser) -> None:

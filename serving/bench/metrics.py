@@ -10,11 +10,13 @@ TPOT 0 against the TPOT SLO, as vLLM does).
 from __future__ import annotations
 
 import dataclasses
+from collections.abc import Sequence
 
 import numpy as np
 
 SLO_METRICS = ("ttft", "tpot", "e2el")
-LATENCY_METRICS = (("ttft", "Time to First Token"), ("tpot", "Time per Output Token (excl. 1st token)"),
+LATENCY_METRICS = (("ttft", "Time to First Token"),
+                   ("tpot", "Time per Output Token (excl. 1st token)"),
                    ("itl", "Inter-token Latency"), ("e2el", "End-to-end Latency"))
 
 
@@ -26,6 +28,7 @@ class RequestResult:
     ttft: float = 0.0  # seconds
     itl: list[float] = dataclasses.field(default_factory=list)
     latency: float = 0.0  # end to end, seconds
+    start: float = 0.0  # when it was sent, seconds into the run
     generated_text: str = ""
     error: str = ""
 
@@ -63,7 +66,7 @@ def _is_good(ttft: float, tpot: float, e2el: float, slos_ms: dict[str, float]) -
 
 
 def compute_metrics(results: list[RequestResult], duration_s: float, *,
-                    percentiles: list[float] = (90.0, 99.0),
+                    percentiles: Sequence[float] = (90.0, 99.0),
                     slos_ms: dict[str, float] | None = None) -> dict:
     """The report of one run; `percentiles` adds p<P>_<metric>_ms for each."""
     ttfts, tpots, itls, e2els = [], [], [], []
@@ -80,7 +83,8 @@ def compute_metrics(results: list[RequestResult], duration_s: float, *,
         ttfts.append(r.ttft)
         itls.extend(r.itl)
         e2els.append(r.latency)
-        good += bool(slos_ms) and _is_good(r.ttft, tpot, r.latency, slos_ms)
+        if slos_ms and _is_good(r.ttft, tpot, r.latency, slos_ms):
+            good += 1
     report = {
         "duration": duration_s, "completed": completed, "failed": len(results) - completed,
         "total_input_tokens": total_input, "total_output_tokens": total_output,

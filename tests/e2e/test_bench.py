@@ -1,82 +1,17 @@
 """`qwen-jax bench serve` against a fake OpenAI-compatible server (and the real one when
 it is there); the metric definitions on synthetic data."""
 
-import asyncio
-import contextlib
 import json
-import threading
-from types import SimpleNamespace
 
 import numpy as np
 import pytest
-from aiohttp import web
 
 from serving.bench.metrics import RequestResult, compute_metrics, format_table, parse_goodput
 from serving.cli import main
-from tests.engine.conftest import compile_cache, tokenizer_ckpt  # noqa: F401 (fixtures)
+from tests.helpers.fake_openai import serve_in_thread
 
 OUTPUT_LEN = 5
 METRICS = ("ttft", "tpot", "itl", "e2el")
-
-
-def _fake_app(state) -> web.Application:
-    async def stream(request: web.Request) -> web.StreamResponse:
-        body = await request.json()
-        chat = request.path.endswith("/chat/completions")
-        prompt = body["messages"][-1]["content"] if chat else body["prompt"]
-        state.bodies.append(body)
-        if "FAIL" in prompt:
-            return web.json_response({"error": {"message": "boom"}}, status=500)
-        state.active += 1
-        state.max_active = max(state.max_active, state.active)
-        try:
-            response = web.StreamResponse(headers={"Content-Type": "text/event-stream"})
-            await response.prepare(request)
-            await asyncio.sleep(0.03)  # "prefill"
-            n = body.get("max_completion_tokens") or body["max_tokens"]
-            for i in range(n):
-                choice = {"index": 0, "delta": {"content": f" t{i}"}} if chat else \
-                    {"index": 0, "text": f" t{i}"}
-                await response.write(f"data: {json.dumps({'choices': [choice]})}\n\n".encode())
-                await asyncio.sleep(0.005)
-            if state.send_usage and body.get("stream_options", {}).get("include_usage"):
-                usage = {"prompt_tokens": 7, "completion_tokens": n, "total_tokens": 7 + n}
-                await response.write(f"data: {json.dumps({'choices': [], 'usage': usage})}\n\n"
-                                     .encode())
-            await response.write(b"data: [DONE]\n\n")
-            return response
-        finally:
-            state.active -= 1
-
-    app = web.Application()
-    app.router.add_post("/v1/completions", stream)
-    app.router.add_post("/v1/chat/completions", stream)
-    return app
-
-
-@contextlib.contextmanager
-def serve_in_thread(app: web.Application):
-    """`app` on 127.0.0.1:<free port>, run by an event loop in a background thread."""
-    loop = asyncio.new_event_loop()
-    runner = web.AppRunner(app, handler_cancellation=True, access_log=None)
-    loop.run_until_complete(runner.setup())
-    site = web.TCPSite(runner, "127.0.0.1", 0)
-    loop.run_until_complete(site.start())
-    thread = threading.Thread(target=loop.run_forever, daemon=True)
-    thread.start()
-    try:
-        yield f"http://127.0.0.1:{runner.addresses[0][1]}"
-    finally:
-        asyncio.run_coroutine_threadsafe(runner.cleanup(), loop).result(30)
-        loop.call_soon_threadsafe(loop.stop)
-        thread.join(10)
-
-
-@pytest.fixture
-def fake_server():
-    state = SimpleNamespace(active=0, max_active=0, bodies=[], send_usage=True)
-    with serve_in_thread(_fake_app(state)) as url:
-        yield url, state
 
 
 def _bench(tmp_path, url, *extra) -> dict:
@@ -162,14 +97,15 @@ def test_bench_serve_unreachable_server_fails_fast(tmp_path):
 
 
 def test_bench_serve_against_the_real_server(tmp_path, tokenizer_ckpt, compile_cache):
-    server = pytest.importorskip("serving.server")
     from serving.async_llm import AsyncLLM
+    from serving.config import ServerConfig
+    from serving.server import build_app
     ckpt, _ = tokenizer_ckpt
     llm = AsyncLLM(str(ckpt), max_num_seqs=8, max_num_batched_tokens=64, max_model_len=96,
                    token_buckets=[64], seq_buckets=[8], show_progress=False,
                    compilation_cache_dir=compile_cache)
     try:
-        app = server.build_app(llm, server.ServerConfig(served_model_name="tiny"))
+        app = build_app(llm, ServerConfig(served_model_name="tiny"))
         with serve_in_thread(app) as url:
             report = _bench(tmp_path, url, "--model", "tiny", "--tokenizer", str(ckpt),
                             "--max-concurrency", "4", "--ignore-eos", "--goodput", "e2el:60000")

@@ -4,17 +4,22 @@ correctness through every engine configuration (a difference is a serving bug)."
 from __future__ import annotations
 
 import json
-from pathlib import Path
 
 import numpy as np
 import pytest
 
 from qwen_jax import tasks
-from qwen_jax.eval_tasks import (TINY_MODEL, chat_template, evaluate, generate_texts,
-                                 render_prompts)
+from serving.eval_tasks import (
+    TINY_MODEL,
+    chat_template,
+    evaluate,
+    final_answer,
+    generate_texts,
+    render_prompts,
+)
+from tests.helpers.fixtures import QWEN3_TOKENIZER
 from tiny_greedy import FullForwardLLM, eos_ids, hf_greedy_ids
 
-QWEN3_TOKENIZER = Path("/work/shared/fixtures/qwen3-tokenizer")
 SPECIAL = ["<|endoftext|>", "<|im_start|>", "<|im_end|>", "<think>", "</think>"]
 N_PER_TASK = 3
 
@@ -66,7 +71,6 @@ def test_chat_template_renders_qwen3_layout(hf_tokenizer):
         "<|im_start|>assistant\n<think>\n\n</think>\n\n5<|im_end|>\n")
 
 
-@pytest.mark.skipif(not QWEN3_TOKENIZER.exists(), reason="no Qwen3 tokenizer fixture")
 def test_chat_template_equals_qwen3s_on_plain_chats(hf_tokenizer):
     from transformers import AutoTokenizer
     qwen3 = AutoTokenizer.from_pretrained(QWEN3_TOKENIZER)
@@ -139,7 +143,7 @@ def test_addition_thinks_ones_digit_first_then_answers(full_forward):
                             chat_template(TINY_MODEL))
     (text,) = generate_texts(full_forward, prompt)
     assert text == "<think>\n2 3 4\n</think>\n\n432"
-    assert tasks.final_answer(text) == "432"
+    assert final_answer(text) == "432"
 
 
 # ---- through the engine --------------------------------------------------------------------
@@ -156,10 +160,7 @@ EVAL_SEED = 5
 
 
 def _llm(**kwargs):
-    try:
-        from qwen_jax import LLM
-    except ImportError:
-        pytest.skip("qwen_jax.LLM is not importable")
+    from qwen_jax import LLM
     return LLM(model=str(TINY_MODEL), precompile=False, show_progress=False, **kwargs)
 
 

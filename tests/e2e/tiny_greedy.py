@@ -12,8 +12,8 @@ import numpy as np
 from flax import nnx
 from tokenizers import Tokenizer
 
-from qwen_jax.eval_tasks import MAX_ANSWER_TOKENS
-from qwen_jax.weights import load_model
+from qwen_jax.model import Qwen3ForCausalLM
+from serving.eval_tasks import MAX_ANSWER_TOKENS
 
 
 def eos_ids(model_path) -> set[int]:
@@ -39,7 +39,7 @@ class FullForwardLLM:
     `Qwen3ForCausalLM.__call__` over the whole right-padded batch at every step."""
 
     def __init__(self, model_path, max_tokens: int = MAX_ANSWER_TOKENS, bucket: int = 64):
-        self.model = load_model(model_path)
+        self.model = Qwen3ForCausalLM.from_pretrained(model_path)
         self.tokenizer = Tokenizer.from_file(str(Path(model_path) / "tokenizer.json"))
         self.eos = eos_ids(model_path)
         self.pad = self.tokenizer.token_to_id("<|endoftext|>")

@@ -5,6 +5,7 @@ import numpy as np
 import pytest
 import torch
 
+from tests.helpers.fixtures import QWEN3_TOKENIZER
 from tests.helpers.hf import save_hf_model
 
 VOCAB = 96
@@ -38,16 +39,10 @@ def make_prompts(lengths, seed=0):
     return [rng.integers(2, VOCAB, size=n).tolist() for n in lengths]
 
 
-QWEN3_TOKENIZER = __import__("pathlib").Path(__file__).resolve().parents[3] / "shared" / \
-    "fixtures" / "qwen3-tokenizer"
-
-
 @pytest.fixture(scope="session")
 def tokenizer_ckpt(tmp_path_factory):
     """A tiny random MoE with the real Qwen3 tokenizer files (vocab 151,936)."""
     import shutil
-    if not (QWEN3_TOKENIZER / "tokenizer.json").exists():
-        pytest.skip(f"Qwen3 tokenizer fixture missing at {QWEN3_TOKENIZER}")
     path = tmp_path_factory.mktemp("tiny-moe-tok")
     model = save_hf_model(path, moe=True, vocab_size=151936, eos_token_id=151645,
                           bos_token_id=151643, max_position_embeddings=256, seed=2)

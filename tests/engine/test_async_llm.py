@@ -85,3 +85,19 @@ async def test_bad_request_raises_to_the_caller_and_engine_keeps_serving(async_l
 def test_data_parallel_server_is_refused_with_advice(tiny_ckpt):
     with pytest.raises(ValueError, match="data_parallel_size=2.*load balancer"):
         AsyncLLM(str(tiny_ckpt[0]), data_parallel_size=2, **ARGS)
+
+
+async def test_a_call_cancelled_before_it_runs_leaves_the_engine_running(async_llm):
+    """A client that disconnects while its request waits in the command queue: the engine
+    skips the cancelled command (it once died on it, silently)."""
+    import threading
+    gate = threading.Event()
+    blocker = async_llm._call(gate.wait, 10)  # holds the engine thread
+    queued = async_llm._call(async_llm.engine.has_unfinished_requests)
+    queued.cancel()
+    await asyncio.sleep(0.05)  # the cancel reaches the engine's future
+    gate.set()
+    await blocker
+    outs = await asyncio.wait_for(
+        collect(async_llm, [3, 4], SamplingParams(temperature=0, max_tokens=2)), 60)
+    assert outs[-1].finished and async_llm.dead is None and async_llm._thread.is_alive()

@@ -1,9 +1,13 @@
 """Engine behaviour beyond parity: aborts, leaks, compiles, seeds, n, stops, logprobs."""
 
+import jax.numpy as jnp
 import numpy as np
 import pytest
 
 from qwen_jax import LLM, SamplingParams
+from qwen_jax.options import KV_CACHE_DTYPES
+from qwen_jax.params import resolve_kv_cache_dtype
+from serving.config import CacheConfig
 from serving.engine import LLMEngine
 from serving.llm import engine_config_from_kwargs
 from tests.engine.conftest import make_prompts
@@ -214,6 +218,18 @@ def test_fp8_kv_cache_quarters_page_bytes_and_stays_close(llm, tiny_ckpt, compil
         assert ours.outputs[0].token_ids[0] == base.outputs[0].token_ids[0]
         first = lambda o: o.outputs[0].logprobs[0][o.outputs[0].token_ids[0]].logprob
         assert abs(first(ours) - first(base)) < 0.05
+
+
+def test_config_and_cache_accept_the_same_kv_cache_dtypes():
+    # One list: everything the config accepts, the cache allocates; int8 (which would
+    # need calibrated scales) is refused when the config is built, naming the choices.
+    for name, stored in KV_CACHE_DTYPES.items():
+        assert CacheConfig(kv_cache_dtype=name).kv_cache_dtype == name
+        dtype = resolve_kv_cache_dtype(name, jnp.bfloat16)
+        assert dtype == (jnp.bfloat16 if stored is None else jnp.dtype(stored))
+    with pytest.raises(ValueError, match="kv_cache_dtype must be one of auto, .*fp8_e5m2, "
+                                         "got 'int8'"):
+        CacheConfig(kv_cache_dtype="int8")
 
 
 def test_unknown_kv_cache_dtype_names_the_choices(tiny_ckpt):

@@ -5,23 +5,25 @@ import numpy as np
 import pytest
 
 from serving.request import SamplingParams
-from serving.sampler import build_sampling_arrays, sample
+from serving.sampler import SamplingEntry, build_sampling_arrays, sample
 
 _sample = jax.jit(sample)
 
 
 def run(logits, params, *, output_index=0, seed=7, tokens=None, num_prompt=0, blocked=()):
     logits = np.asarray(logits, np.float32)
-    entries = [(params, seed, output_index, blocked, tokens, num_prompt)] * logits.shape[0]
-    arrays = build_sampling_arrays(entries, logits.shape[0], 16)
+    entry = SamplingEntry(params, seed, output_index, blocked, tokens, num_prompt)
+    entries = [entry] * logits.shape[0]
+    arrays = build_sampling_arrays(entries, logits.shape[0], 16, logits.shape[1])
     return jax.device_get(_sample(logits, arrays))
 
 
 def draws(logits, params, n=3000):
     """n independent draws for one row: a batch of n rows with distinct output indices."""
     logits = np.tile(np.asarray(logits, np.float32), (n, 1))
-    entries = [(params, 11, i, (), None, 0) for i in range(n)]
-    return jax.device_get(_sample(logits, build_sampling_arrays(entries, n, 16)))["token"]
+    entries = [SamplingEntry(params, 11, i, (), None, 0) for i in range(n)]
+    arrays = build_sampling_arrays(entries, n, 16, logits.shape[1])
+    return jax.device_get(_sample(logits, arrays)).token_ids
 
 
 LOGITS = np.log(np.array([[0.5, 0.25, 0.15, 0.1]]))
@@ -30,7 +32,7 @@ LOGITS = np.log(np.array([[0.5, 0.25, 0.15, 0.1]]))
 def test_greedy_is_argmax():
     logits = np.random.default_rng(0).normal(size=(3, 50))
     out = run(logits, SamplingParams(temperature=0.0))
-    np.testing.assert_array_equal(out["token"], logits.argmax(-1))
+    np.testing.assert_array_equal(out.token_ids, logits.argmax(-1))
 
 
 def test_temperature_one_follows_the_distribution():
@@ -62,16 +64,16 @@ def test_low_temperature_concentrates_on_argmax():
 def test_seed_and_output_index_determine_the_draw():
     logits = np.zeros((1, 1000))
     p = SamplingParams(temperature=1.0)
-    a = run(logits, p, seed=1, output_index=3)["token"]
-    assert run(logits, p, seed=1, output_index=3)["token"] == a
-    others = {int(run(logits, p, seed=s, output_index=i)["token"][0])
+    a = run(logits, p, seed=1, output_index=3).token_ids
+    assert run(logits, p, seed=1, output_index=3).token_ids == a
+    others = {int(run(logits, p, seed=s, output_index=i).token_ids[0])
               for s, i in [(2, 3), (1, 4), (3, 9)]}
     assert len(others | {int(a[0])}) > 1
 
 
 def test_blocked_ids_are_never_sampled():
     logits = np.array([[5.0, 0.0, 0.0]])
-    assert run(logits, SamplingParams(temperature=0.0), blocked=(0,))["token"][0] != 0
+    assert run(logits, SamplingParams(temperature=0.0), blocked=(0,)).token_ids[0] != 0
 
 
 def test_penalties_match_vllm_formulas():
@@ -81,19 +83,20 @@ def test_penalties_match_vllm_formulas():
                             presence_penalty=0.3)
     expected = np.array([2.0, -2.0, 0.25 - 0.8 - 0.3, 1.0])
     out = run(logits, params, tokens=[1, 2, 2], num_prompt=1)
-    assert out["token"][0] == expected.argmax()
+    assert out.token_ids[0] == expected.argmax()
     logits2 = np.array([[1.0, 0.0, 1.2, 0.0]])  # without penalties token 2 would win
-    assert run(logits2, params, tokens=[1, 2, 2], num_prompt=1)["token"][0] == 0
+    assert run(logits2, params, tokens=[1, 2, 2], num_prompt=1).token_ids[0] == 0
 
 
 def test_logprobs_are_raw_log_softmax_with_ranks():
     logits = np.random.default_rng(1).normal(size=(2, 30))
     out = run(logits, SamplingParams(temperature=0.0, logprobs=5))
     ref = logits - np.log(np.exp(logits).sum(-1, keepdims=True))
-    np.testing.assert_allclose(out["logprob"], ref.max(-1), atol=1e-5)
-    np.testing.assert_array_equal(out["rank"], [1, 1])
-    np.testing.assert_array_equal(out["top_ids"][:, :5], np.argsort(-ref, -1)[:, :5])
-    np.testing.assert_allclose(out["top_logprobs"][:, :5], -np.sort(-ref, -1)[:, :5], atol=1e-5)
+    np.testing.assert_allclose(out.logprobs.logprob, ref.max(-1), atol=1e-5)
+    np.testing.assert_array_equal(out.logprobs.rank, [1, 1])
+    np.testing.assert_array_equal(out.logprobs.top_ids[:, :5], np.argsort(-ref, -1)[:, :5])
+    np.testing.assert_allclose(out.logprobs.top_logprobs[:, :5], -np.sort(-ref, -1)[:, :5],
+                               atol=1e-5)
 
 
 @pytest.mark.parametrize("field,value", [("temperature", -1.0), ("top_p", 0.0), ("top_k", -2),
@@ -121,23 +124,25 @@ def _mask(allowed_rows, vocab):
 def test_token_mask_limits_constrained_rows_only(params):
     logits = np.random.default_rng(1).normal(size=(3, 70)).astype(np.float32)
     allowed = [{5, 33, 69}, None, {64}]  # tokens in the last, partly used mask word too
-    arrays = build_sampling_arrays([(params, 9, i, (), None, 0) for i in range(3)], 3, 16)
-    masked = jax.device_get(_sample(logits, arrays, _mask(allowed, 70)))
-    plain = jax.device_get(_sample(logits, arrays))
-    assert masked["token"][0] in allowed[0] and masked["token"][2] == 64
-    assert masked["token"][1] == plain["token"][1]  # an unconstrained row draws as before
-    np.testing.assert_allclose(masked["logprob"][1], plain["logprob"][1])  # raw logprobs
+    entries = [SamplingEntry(params, 9, i, (), None, 0) for i in range(3)]
+    masked = jax.device_get(_sample(logits, build_sampling_arrays(
+        entries, 3, 16, 70, token_mask=_mask(allowed, 70))))
+    plain = jax.device_get(_sample(logits, build_sampling_arrays(entries, 3, 16, 70)))
+    assert masked.token_ids[0] in allowed[0] and masked.token_ids[2] == 64
+    assert masked.token_ids[1] == plain.token_ids[1]  # an unconstrained row draws as before
+    np.testing.assert_allclose(masked.logprobs.logprob[1], plain.logprobs.logprob[1])  # raw
 
 
 def test_inactive_mask_changes_nothing():
     from serving.structured import inactive_mask
     logits = np.random.default_rng(2).normal(size=(2, 40)).astype(np.float32)
-    arrays = build_sampling_arrays([(SamplingParams(temperature=1.0), 4, 0, (), None, 0)] * 2,
-                                   2, 16)
+    entries = [SamplingEntry(SamplingParams(temperature=1.0), 4, 0, (), None, 0)] * 2
     off = _mask([{1}, {2}], 40)
     off.active = np.array(False)  # the bits would force tokens 1 and 2, but are not applied
-    np.testing.assert_array_equal(jax.device_get(_sample(logits, arrays, off))["token"],
-                                  jax.device_get(_sample(logits, arrays))["token"])
+    np.testing.assert_array_equal(
+        jax.device_get(_sample(logits, build_sampling_arrays(entries, 2, 16, 40,
+                                                             token_mask=off))).token_ids,
+        jax.device_get(_sample(logits, build_sampling_arrays(entries, 2, 16, 40))).token_ids)
     assert inactive_mask(2, 40).bits.shape == (2, 2)
 
 

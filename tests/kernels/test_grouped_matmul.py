@@ -10,7 +10,9 @@ import numpy as np
 import pytest
 
 from kernel_cases import BF16, INTERPRET, as_float
-from pallas_kernels import grouped_matmul, grouped_matmul_reference
+from pallas_kernels import grouped_matmul, grouped_matmul_reference, plan_groups
+from pallas_kernels.grouped_matmul import group_ends_of
+from tests.helpers.lowering import requires_cuda_lowering
 
 # Sizes chosen against 16-row tiles: empty groups, groups inside one tile, a group
 # spanning several tiles, unaligned boundaries, and trailing rows past sum(sizes).
@@ -53,6 +55,7 @@ def test_tuned_blocks_on_a_moe_like_shape():
     np.testing.assert_allclose(out, expected, atol=2e-2, rtol=2e-2)
 
 
+@requires_cuda_lowering
 def test_lowers_to_triton_for_qwen_expert_shapes():
     # Qwen3-30B-A3B experts: 8k routed rows, hidden 2048, 2 x 768 gate/up; no GPU needed.
     shape = jax.ShapeDtypeStruct
@@ -61,6 +64,68 @@ def test_lowers_to_triton_for_qwen_expert_shapes():
             shape((8192, depth), jnp.bfloat16), shape((128, depth, width), jnp.bfloat16),
             shape((128,), jnp.int32)).lower(lowering_platforms=("cuda",))
         assert "xla.gpu.triton" in lowered.as_text()
+    # The MoE form: stacked weights of all 48 layers, rows read and stored in place.
+    moe = lambda x, w, plan, rows, layer: grouped_matmul(x, w, plan=plan, layer=layer,
+                                                         lhs_rows=rows)
+    plan = plan_groups(jnp.zeros((128,), jnp.int32), num_rows=64, block_m=16)
+    lowered = jax.jit(moe).trace(
+        shape((8, 2048), jnp.bfloat16), shape((48, 128, 2048, 1536), jnp.bfloat16),
+        jax.tree.map(lambda a: shape(a.shape, a.dtype), plan), shape((64,), jnp.int32),
+        shape((), jnp.int32)).lower(lowering_platforms=("cuda",))
+    text = lowered.as_text()
+    assert "xla.gpu.triton" in text and " while" not in text and "gather" not in text
+
+
+@pytest.mark.parametrize("dtype", [np.float32, BF16], ids=["f32", "bf16"])
+def test_moe_options_read_stacked_weights_and_rows_in_place(dtype):
+    # The MoE call pattern: pairs sorted by expert read their token rows through
+    # lhs_rows, results go back to pair order through out_rows, weights come from a
+    # stacked [X, G, K, N] at a traced layer, one plan serves both calls.
+    rng = np.random.default_rng(3)
+    num_tokens, top_k, num_experts = 13, 2, 5
+    x = rng.standard_normal((num_tokens, 32)).astype(dtype)
+    rhs = rng.standard_normal((3, num_experts, 32, 48)).astype(dtype)
+    ids = rng.integers(0, num_experts + 1, num_tokens * top_k)  # E: pairs not computed here
+    order = np.argsort(ids, kind="stable").astype(np.int32)
+    sizes = np.bincount(ids, minlength=num_experts + 1)[:num_experts].astype(np.int32)
+    plan = plan_groups(group_ends_of(jnp.asarray(sizes), len(ids)), num_rows=len(ids),
+                       block_m=16)
+    tol = 1e-4 if dtype == np.float32 else 2e-2
+    for layer in (0, 2):
+        kwargs = dict(layer=jnp.int32(layer), lhs_rows=order // top_k, out_rows=order)
+        out = grouped_matmul(x, rhs, plan=plan, interpret=INTERPRET, **kwargs)
+        expected = grouped_matmul_reference(x, rhs, jnp.asarray(sizes), **kwargs)
+        # by hand: pair p (token p // k) multiplied by its expert's weights, or zero
+        by_hand = np.zeros((len(ids), 48), np.float32)
+        for p, e in enumerate(ids):
+            if e < num_experts:
+                by_hand[p] = x[p // top_k].astype(np.float32) @ rhs[layer, e].astype(np.float32)
+        np.testing.assert_allclose(as_float(out), as_float(expected), atol=tol, rtol=tol)
+        np.testing.assert_allclose(as_float(out) / 6, by_hand / 6, atol=tol, rtol=tol)
+
+
+@pytest.mark.parametrize("seed", range(4))
+def test_plan_covers_every_row_for_skewed_groups(seed):
+    # Groups from empty to all rows, boundaries anywhere: the items the plan bounds
+    # (cdiv(M, bm) + min(G, M) + 1) always suffice.
+    rng = np.random.default_rng(seed)
+    num_groups, num_rows = 9, 40
+    cuts = np.sort(rng.integers(0, num_rows + 1, num_groups))
+    sizes = np.diff(np.concatenate([[0], cuts])).astype(np.int32)
+    lhs = rng.standard_normal((num_rows, 16)).astype(np.float32)
+    rhs = rng.standard_normal((num_groups, 16, 16)).astype(np.float32)
+    out, expected = _run(lhs, rhs, sizes, block_m=16, block_k=16, block_n=16)
+    np.testing.assert_allclose(out, expected, atol=1e-4, rtol=1e-4)
+
+
+def test_plan_with_different_block_m_is_refused():
+    plan = plan_groups(jnp.asarray([4, 8], jnp.int32), num_rows=8, block_m=16)
+    with pytest.raises(ValueError, match="block_m is 32, expected the plan's 16"):
+        grouped_matmul(np.zeros((8, 16), np.float32), np.zeros((2, 16, 16), np.float32),
+                       plan=plan, block_m=32, interpret=True)
+    with pytest.raises(ValueError, match="plan covers 8 rows, expected 4"):
+        grouped_matmul(np.zeros((4, 16), np.float32), np.zeros((2, 16, 16), np.float32),
+                       plan=plan, interpret=True)
 
 
 @pytest.mark.parametrize("lhs_shape,rhs_shape,sizes_shape,blocks,match", [
@@ -70,8 +135,23 @@ def test_lowers_to_triton_for_qwen_expert_shapes():
     ((8, 24), (2, 24, 16), (2,), {}, "lhs's K is 24"),
     ((8, 32), (2, 32, 16), (2,), {"block_n": 32}, "block_n is 32"),
     ((8, 32), (2, 32, 16), (2,), {"block_m": 12}, "block_m is 12"),
+    ((8, 32), (2, 32, 16), (2,), {"layer": 0}, r"rhs has shape .* \[X, G, K, N\]"),
+    ((8, 32), (2, 32, 16), (2,), {"lhs_rows": np.zeros((8, 1), np.int32)}, "lhs_rows has shape"),
+    ((8, 32), (2, 32, 16), (2,), {"out_rows": np.zeros((5,), np.int32)},
+     r"out_rows has shape \(5,\), expected \(8,\)"),
 ])
 def test_bad_shapes_raise_value_error(lhs_shape, rhs_shape, sizes_shape, blocks, match):
     with pytest.raises(ValueError, match=match):
         grouped_matmul(np.zeros(lhs_shape, np.float32), np.zeros(rhs_shape, np.float32),
                        np.zeros(sizes_shape, np.int32), interpret=True, **blocks)
+
+
+def test_tiles_per_case():
+    # decode: 16-row tiles, narrow columns; a 2k prefill (128 rows per expert): 64-row
+    # tiles (1.5x straddle work, where 128-row tiles would double it).
+    from pallas_kernels.grouped_matmul import tuning
+    decode = tuning.matmul_blocks(num_rows=64, num_groups=128, k=2048, n=1536)
+    assert (decode.block_m, decode.block_n) == (16, 64)
+    prefill = tuning.matmul_blocks(num_rows=16384, num_groups=128, k=2048, n=1536)
+    assert prefill.block_m == 64
+    assert tuning.block_m_for(num_rows=16384, num_groups=128) == prefill.block_m

@@ -4,8 +4,8 @@ import jax
 import numpy as np
 import pytest
 
-from kernel_cases import FP8
 import pallas_kernels
+from kernel_cases import FP8
 from pallas_kernels import default_impl, ops, write_kv_pages
 
 

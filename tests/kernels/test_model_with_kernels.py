@@ -2,8 +2,6 @@
 reference path's results: the kernels are wired with the right page offsets, GQA groups
 and padding, not only correct in isolation."""
 
-import functools
-
 import jax.numpy as jnp
 import numpy as np
 import pytest
@@ -17,13 +15,7 @@ _real_ops = pallas_kernels.ops
 
 
 def _interpreted_ops(impl=None):
-    ops = _real_ops(impl)
-    if ops.impl != "pallas":
-        return ops
-    return pallas_kernels.Ops(
-        impl="pallas", write_kv_pages=ops.write_kv_pages,
-        ragged_paged_attention=functools.partial(ops.ragged_paged_attention, interpret=True),
-        grouped_matmul=functools.partial(ops.grouped_matmul, interpret=True))
+    return pallas_kernels.interpreted(_real_ops(impl))
 
 
 @pytest.fixture()
@@ -47,14 +39,19 @@ def test_model_logits_with_kernels_match_hf(ckpt, interpreted):
     np.testing.assert_allclose(logits, hf_logits(ckpt[1], ids), atol=1e-4, rtol=0)
 
 
-def test_engine_with_kernels_matches_reference_engine(ckpt, interpreted):
+@pytest.mark.parametrize("kv_cache_dtype", ["auto", "fp8"])
+def test_engine_with_kernels_matches_reference_engine(ckpt, interpreted, kv_cache_dtype):
+    # fp8: the kernels get the cache's per-kv-head scales (written and read with them).
     args = dict(max_num_seqs=4, max_num_batched_tokens=32, max_model_len=96,
                 token_buckets=[32], seq_buckets=[4], compilation_cache_dir=None,
-                show_progress=False)
+                show_progress=False, kv_cache_dtype=kv_cache_dtype)
     rng = np.random.default_rng(1)
     prompts = [{"prompt_token_ids": rng.integers(2, 96, size=n).tolist()} for n in (3, 40, 17)]
     params = SamplingParams(temperature=0, max_tokens=6, ignore_eos=True)
-    kernels = LLM(str(ckpt[0]), impl="pallas", **args).generate(prompts, params)
+    kernel_llm = LLM(str(ckpt[0]), impl="pallas", **args)
+    if kv_cache_dtype == "fp8":
+        assert kernel_llm.llm_engine.runner.kv_caches[0][0].dtype == jnp.float8_e4m3fn
+    kernels = kernel_llm.generate(prompts, params)
     reference = LLM(str(ckpt[0]), impl="reference", **args).generate(prompts, params)
     assert [o.outputs[0].token_ids for o in kernels] == \
         [o.outputs[0].token_ids for o in reference]

@@ -11,7 +11,14 @@ import numpy as np
 import pytest
 
 from kernel_cases import BF16, FP8, INTERPRET, as_float, make_case
-from pallas_kernels import ragged_paged_attention, ragged_paged_attention_reference
+from pallas_kernels import (
+    plan_attention,
+    plan_attention_reference,
+    ragged_paged_attention,
+    ragged_paged_attention_reference,
+)
+from pallas_kernels.ragged_paged_attention import tuning
+from tests.helpers.lowering import requires_cuda_lowering
 
 PAGE = 16
 # (q_len, kv_len): decodes at kv 1, a page boundary (16, 32) and one past it; a short
@@ -80,6 +87,49 @@ def test_group_not_a_power_of_two_and_explicit_blocks():
     _compare(case, sm_scale=0.125, tol=1e-4, block_q=4, block_k=32)
 
 
+# Few decoding sequences, contexts from 1 key to 13 pages: splits of whole key blocks,
+# some of them empty, plus a padding sequence and padding rows.
+FEW_DECODES = [(1, 1), (1, 200), (1, 65), (1, 130)]
+
+
+@pytest.mark.parametrize("num_splits,kv_dtype", [(2, None), (16, None), (4, FP8)],
+                         ids=["2-bf16", "16-bf16", "4-fp8"])
+def test_flash_decoding_splits_match_reference(num_splits, kv_dtype):
+    case = make_case(FEW_DECODES, num_q_heads=8, num_kv_heads=2, head_dim=64, page_size=PAGE,
+                     pages_per_seq=13, dtype=BF16, kv_dtype=kv_dtype, num_pad_seqs=1,
+                     num_pad_tokens=3)
+    out = _compare(case, sm_scale=0.125, tol=2e-2, num_splits=num_splits, block_k=32)
+    assert not np.any(out[int(case.query_start[case.num_seqs]):])
+
+
+def test_decode_steps_of_few_sequences_split_and_others_do_not():
+    # batch 1 runs in the (8 tokens, 4 sequences) bucket: 4 kv heads x 16 splits.
+    assert tuning.decode_splits(num_tokens=8, num_seqs_max=4, num_kv_heads=4) == 16
+    assert tuning.decode_splits(num_tokens=16, num_seqs_max=16, num_kv_heads=4) == 4
+    assert tuning.decode_splits(num_tokens=64, num_seqs_max=64, num_kv_heads=4) == 1
+    assert tuning.decode_splits(num_tokens=2048, num_seqs_max=4, num_kv_heads=4) == 1
+
+
+def test_one_plan_serves_every_call_of_a_step():
+    case = make_case(MIXED, num_q_heads=8, num_kv_heads=2, head_dim=64, page_size=PAGE,
+                     pages_per_seq=10)
+    num_tokens = case.q.shape[0]
+    plan = plan_attention(case.query_start, case.kv_lens, case.num_seqs, num_tokens=num_tokens,
+                          num_q_heads=8, num_kv_heads=2, head_dim=64)
+    planned = ragged_paged_attention(*case.args(), sm_scale=0.125, plan=plan,
+                                     interpret=INTERPRET)
+    unplanned = ragged_paged_attention(*case.args(), sm_scale=0.125, interpret=INTERPRET)
+    np.testing.assert_array_equal(as_float(planned), as_float(unplanned))
+    ref_plan = plan_attention_reference(case.query_start, case.kv_lens, case.num_seqs,
+                                        num_tokens=num_tokens)
+    reference = ragged_paged_attention_reference(*case.args(), sm_scale=0.125, plan=ref_plan)
+    np.testing.assert_allclose(as_float(planned), as_float(reference), atol=1e-4, rtol=1e-4)
+    with pytest.raises(ValueError, match=f"block_q is 64, expected the plan's {plan.block_q}"):
+        ragged_paged_attention(*case.args(), sm_scale=0.125, plan=plan, block_q=64,
+                               interpret=True)
+
+
+@requires_cuda_lowering
 @pytest.mark.parametrize("num_q_heads", [32, 64], ids=["30b-a3b", "235b-a22b"])
 @pytest.mark.parametrize("page_dtype", [jnp.bfloat16, jnp.float8_e4m3fn], ids=["bf16", "fp8"])
 def test_jits_with_traced_num_seqs_and_lowers_to_triton_for_qwen_shapes(num_q_heads,
@@ -89,14 +139,17 @@ def test_jits_with_traced_num_seqs_and_lowers_to_triton_for_qwen_shapes(num_q_he
     f32 = jax.ShapeDtypeStruct
     scales = (dict(k_scale=jnp.ones(4, jnp.float32), v_scale=jnp.ones(4, jnp.float32))
               if page_dtype == jnp.float8_e4m3fn else {})
-    for num_tokens, num_seqs_max in ((64, 64), (512, 4)):
+    # decode at 64 sequences; batch-1 decode (split + combine: 2 calls); a prefill chunk.
+    for num_tokens, num_seqs_max, calls in ((64, 64, 1), (8, 4, 2), (512, 4, 1)):
         args = (f32((num_tokens, num_q_heads, 128), jnp.bfloat16),
                 f32((512, 16, 4, 128), page_dtype), f32((512, 16, 4, 128), page_dtype),
                 f32((num_seqs_max,), jnp.int32), f32((num_seqs_max, 128), jnp.int32),
                 f32((num_seqs_max + 1,), jnp.int32), f32((), jnp.int32))
         lowered = jax.jit(lambda *a: ragged_paged_attention(*a, sm_scale=0.088, **scales)).trace(
             *args).lower(lowering_platforms=("cuda",))
-        assert "xla.gpu.triton" in lowered.as_text()
+        text = lowered.as_text()
+        assert text.count("xla.gpu.triton(") == calls
+        assert "stablehlo.while" not in text  # the plan's search compares, it does not loop
 
 
 @pytest.mark.parametrize("change,match", [

@@ -55,7 +55,8 @@ def test_convert_cli_bfloat16_saves_bf16_params(tmp_path, hf_checkpoint):
     src, _ = hf_checkpoint
     out = tmp_path / "converted_bf16"
     assert main(["convert", "--model", str(src), "--output", str(out), "--dtype", "bfloat16"]) == 0
-    restored = checkpoint.restore(out)  # dtype=None keeps the saved dtype
+    # dtype=None keeps the saved dtype
+    restored = checkpoint.restore(out, model_cls=Qwen3ForCausalLM)
     assert {x.dtype for x in jax.tree.leaves(_params(restored))} == {jnp.dtype(jnp.bfloat16)}
     as_f32 = Qwen3ForCausalLM.from_pretrained(out, dtype="float32")
     assert {x.dtype for x in jax.tree.leaves(_params(as_f32))} == {jnp.dtype(jnp.float32)}

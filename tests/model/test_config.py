@@ -71,10 +71,11 @@ def test_segments_are_runs_of_same_kind_layers():
 
 
 def test_head_dim_may_differ_from_hidden_over_heads():
-    from qwen_jax.weights import abstract_model
+    from qwen_jax.model import Qwen3ForCausalLM
+    from qwen_jax.params import abstract_model
     cfg = ModelConfig.from_hf(_hf(head_dim=16))
     assert cfg.head_dim == 16 != cfg.hidden_size // cfg.num_attention_heads
-    attn = abstract_model(cfg).segments[0].self_attn
+    attn = abstract_model(cfg, model_cls=Qwen3ForCausalLM).segments[0].self_attn
     assert attn.q_proj.kernel.shape == (4, 32, 4 * 16)
     assert attn.k_proj.kernel.shape == (4, 32, 2 * 16)
     assert attn.o_proj.kernel.shape == (4, 4 * 16, 32)

@@ -6,7 +6,9 @@ import pytest
 from flax import nnx
 
 from qwen_jax.config import ModelConfig
-from qwen_jax.weights import abstract_model, param_count
+from qwen_jax.model import Qwen3ForCausalLM
+from qwen_jax.params import abstract_model
+from qwen_jax.planner import param_count
 
 
 @pytest.mark.parametrize("preset, expected", [
@@ -21,7 +23,7 @@ def test_param_count_of_presets(preset, expected):
 def test_abstract_model_allocates_nothing():
     cfg = ModelConfig.from_hf("qwen3-235b-a22b")
     before = {id(x) for x in jax.live_arrays()}
-    model = abstract_model(cfg, "bfloat16")
+    model = abstract_model(cfg, "bfloat16", model_cls=Qwen3ForCausalLM)
     new = [x for x in jax.live_arrays() if id(x) not in before]
     assert sum(x.nbytes for x in new) < 1 << 20
     leaves = jax.tree.leaves(nnx.state(model, nnx.Param))
@@ -31,7 +33,7 @@ def test_abstract_model_allocates_nothing():
 
 def test_abstract_shapes_of_30b_moe_layers():
     cfg = ModelConfig.from_hf("qwen3-30b-a3b")
-    stack = abstract_model(cfg).segments[0]
+    stack = abstract_model(cfg, model_cls=Qwen3ForCausalLM).segments[0]
     assert stack.mlp.gate.shape == (48, 2048, 128)  # [X, D, E]
     assert stack.mlp.gate_up_proj.shape == (48, 128, 2048, 2, 768)  # [X, E, D, 2, F]
     assert stack.mlp.down_proj.shape == (48, 128, 768, 2048)  # [X, E, F, D]

@@ -15,8 +15,8 @@ from safetensors.numpy import load_file, save_file
 
 from qwen_jax import Qwen3ForCausalLM
 from qwen_jax.config import ModelConfig
+from qwen_jax.params import abstract_model
 from qwen_jax.safetensors_io import CheckpointReader, SafetensorsFile
-from qwen_jax.weights import abstract_model, load_model
 from tests.helpers.hf import hf_logits, save_hf_model
 from tests.model.conftest import CHECKPOINT, PROMPT, logits
 
@@ -126,7 +126,8 @@ def test_bf16_checkpoint_loads_as_bf16(tmp_path):
 def test_dummy_init_builds_params_of_right_shapes_and_dtype(hf_checkpoint):
     src, _ = hf_checkpoint
     model = Qwen3ForCausalLM.from_pretrained(src, dtype="bfloat16", load_format="dummy")
-    expected = _param_shapes(abstract_model(ModelConfig.from_hf(src), "bfloat16"))
+    expected = _param_shapes(abstract_model(ModelConfig.from_hf(src), "bfloat16",
+                                            model_cls=Qwen3ForCausalLM))
     assert _param_shapes(model) == expected
     assert {dt for _, dt in jax.tree.leaves(expected, is_leaf=lambda x: isinstance(x, tuple))} \
         == {jnp.dtype(jnp.bfloat16)}
@@ -138,10 +139,12 @@ def test_dummy_init_builds_params_of_right_shapes_and_dtype(hf_checkpoint):
 
 
 def test_preset_name_builds_dummy_model_without_allocating():
-    model = nnx.eval_shape(lambda: load_model("qwen3-0.6b", dtype="bfloat16"))
+    model = nnx.eval_shape(
+        lambda: Qwen3ForCausalLM.from_pretrained("qwen3-0.6b", dtype="bfloat16"))
     cfg = ModelConfig.from_hf("qwen3-0.6b")
     assert model.config == cfg
-    assert _param_shapes(model) == _param_shapes(abstract_model(cfg, "bfloat16"))
+    expected = abstract_model(cfg, "bfloat16", model_cls=Qwen3ForCausalLM)
+    assert _param_shapes(model) == _param_shapes(expected)
     assert model.lm_head is None  # tied embeddings
 
 

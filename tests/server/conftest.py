@@ -12,7 +12,8 @@ from pathlib import Path
 
 import pytest
 
-QWEN3_TOKENIZER = Path(__file__).resolve().parents[3] / "shared" / "fixtures" / "qwen3-tokenizer"
+from tests.helpers.fixtures import QWEN3_TOKENIZER
+
 ENGINE_ARGS = dict(max_num_seqs=8, max_num_batched_tokens=64, max_model_len=128,
                    token_buckets=[8, 64], seq_buckets=[4, 8], show_progress=False,
                    load_format="dummy")
@@ -30,8 +31,6 @@ TINY_CONFIG = {
 
 def write_tiny_checkpoint(path: Path) -> Path:
     """config.json + the real Qwen3 tokenizer files; weights come from load_format=dummy."""
-    if not (QWEN3_TOKENIZER / "tokenizer.json").exists():
-        pytest.skip(f"Qwen3 tokenizer fixture missing at {QWEN3_TOKENIZER}")
     path.mkdir(parents=True, exist_ok=True)
     (path / "config.json").write_text(json.dumps(TINY_CONFIG))
     for name in ("tokenizer.json", "tokenizer_config.json"):
@@ -98,7 +97,8 @@ class ServerThread:
     async def _start(self) -> None:
         from aiohttp import web
 
-        from serving.server import ServerConfig, build_app
+        from serving.config import ServerConfig
+        from serving.server import build_app
         app = build_app(self.llm, ServerConfig(**self.server_kwargs))
         self.app = app
         self.runner = web.AppRunner(app, handler_cancellation=True, access_log=None)

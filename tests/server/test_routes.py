@@ -72,8 +72,9 @@ async def test_token_id_prompt_and_default_max_tokens_of_16(server):
 async def test_streamed_completion_concatenates_to_the_unstreamed_text(server):
     body = {"prompt": "Once upon a time", "max_tokens": 12, **GREEDY}
     _, whole = await post(server, "/v1/completions", body)
-    events = await stream_events(server, "/v1/completions",
-                                 {**body, "stream": True, "stream_options": {"include_usage": True}})
+    events = await stream_events(
+        server, "/v1/completions",
+        {**body, "stream": True, "stream_options": {"include_usage": True}})
     assert events[-1] == "[DONE]"
     usage_chunk = events[-2]
     assert usage_chunk["choices"] == [] and usage_chunk["usage"] == whole["usage"]
@@ -202,7 +203,8 @@ async def test_concurrent_requests_get_what_they_get_alone(server):
 
 
 async def test_tokenize_and_detokenize_round_trip(server):
-    status, tok = await post(server, "/tokenize", {"prompt": "Hello world", "return_token_strs": True})
+    status, tok = await post(server, "/tokenize",
+                             {"prompt": "Hello world", "return_token_strs": True})
     assert status == 200 and tok["tokens"] == server.llm.tokenizer.encode("Hello world")
     assert tok["count"] == len(tok["tokens"]) and tok["max_model_len"] == 128
     assert len(tok["token_strs"]) == tok["count"]

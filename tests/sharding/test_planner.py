@@ -57,3 +57,36 @@ def test_plan_command_prints_and_refuses(capsys):
     assert "tokens" in capsys.readouterr().out
     assert main(["plan", "--model", "qwen3-235b-a22b"]) == 1
     assert "cannot fit" in capsys.readouterr().err
+
+
+def test_235b_fp8_on_4_h200_fits_with_the_quantised_bytes():
+    bf16 = weight_bytes_per_device(ModelConfig.from_hf("qwen3-235b-a22b"), "bfloat16", 4, 1)
+    plan = plan_memory(ModelConfig.from_hf("qwen3-235b-a22b"), dtype="bfloat16",
+                       tensor_parallel_size=4, device_memory_bytes=H200, quantization="fp8")
+    # fp8 experts and projections (1 byte + a float32 scale per 128 x 128 block), bf16 rest
+    assert 0.49 * bf16 < plan.weight_bytes_per_device < 0.52 * bf16
+    assert plan.max_concurrent_tokens > 1_000_000
+    assert main(["plan", "--model", "qwen3-235b-a22b", "--quantization", "fp8", "-tp", "4"]) == 0
+
+
+@pytest.mark.parametrize("preset", ["qwen3-30b-a3b", "qwen3-235b-a22b", "qwen3-0.6b"])
+@pytest.mark.parametrize("quantization,fraction", [("fp8", 0.52), ("int8", 0.52),
+                                                   ("awq", 0.30)])
+def test_every_preset_plans_in_every_format(preset, quantization, fraction):
+    cfg = ModelConfig.from_hf(preset)
+    tp = 4 if preset == "qwen3-235b-a22b" else 1  # 8 would cut 128-blocks of F = 1536
+    bf16 = weight_bytes_per_device(cfg, "bfloat16", tp, 1)
+    plan = plan_memory(cfg, tensor_parallel_size=tp, device_memory_bytes=H200,
+                       quantization=quantization)
+    assert plan.weight_bytes_per_device < fraction * bf16 or preset == "qwen3-0.6b"
+    assert plan.weights == f"{quantization}, rest bfloat16"
+
+
+def test_plan_refuses_a_split_inside_fp8_blocks_naming_it(capsys):
+    # Qwen3-30B-A3B's expert FFN of 768 over TP=4: 192-wide shards, not whole 128-blocks
+    # (vLLM refuses it too); expert parallelism splits the experts instead.
+    assert main(["plan", "--model", "qwen3-30b-a3b", "-q", "fp8", "-tp", "4"]) == 1
+    err = capsys.readouterr().err
+    assert "model.layers.0-47.mlp.experts.*" in err and "tensor_parallel_size=4" in err
+    assert "768 into 192-wide shards" in err and "block of 128" in err
+    assert main(["plan", "--model", "qwen3-30b-a3b", "-q", "fp8", "-ep", "4"]) == 0

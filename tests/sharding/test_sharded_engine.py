@@ -6,8 +6,8 @@ import re
 import jax
 import numpy as np
 import pytest
-from jax.sharding import PartitionSpec as P
 from flax import nnx
+from jax.sharding import PartitionSpec as P
 
 from qwen_jax import LLM, SamplingParams
 from qwen_jax.sharding import param_logical_axes, spec_for

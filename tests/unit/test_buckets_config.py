@@ -2,7 +2,13 @@
 
 import pytest
 
-from serving.buckets import bucket_pairs, make_buckets, pick_bucket
+from serving.buckets import (
+    bucket_pairs,
+    make_buckets,
+    make_token_buckets,
+    pick_bucket,
+    pick_seq_bucket,
+)
 from serving.config import CacheConfig, SchedulerConfig
 
 
@@ -24,18 +30,39 @@ def test_pick_bucket_smallest_that_fits():
         pick_bucket(101, buckets)
 
 
-def test_bucket_pairs_cover_every_feasible_step():
-    tokens, seqs = [8, 12], [4, 8, 16]
+def test_token_buckets_double_then_grow_by_half_steps():
+    assert make_token_buckets(2048) == [8, 16, 32, 64, 128, 192, 256, 384, 512, 768, 1024,
+                                        1536, 2048]
+    assert make_token_buckets(512) == [8, 16, 32, 64, 128, 192, 256, 384, 512]
+    assert make_token_buckets(300) == [8, 16, 32, 64, 128, 192, 256, 300]
+    assert make_token_buckets(64) == [8, 16, 32, 64]
+    # no prefill-sized step pads by more than a third
+    buckets = make_token_buckets(2048)
+    assert max(1 - (n + 1) / pick_bucket(n + 1, buckets) for n in range(128, 2048)) < 1 / 3
+
+
+@pytest.mark.parametrize("tokens,seqs", [([8, 12], [4, 8, 16]),
+                                         ([8, 64, 256, 384, 2048], [4, 8, 16, 32, 64])])
+def test_bucket_pairs_cover_every_feasible_step(tokens, seqs):
     pairs = set(bucket_pairs(tokens, seqs))
-    for num_tokens in range(1, 13):
-        for num_seqs in range(1, num_tokens + 1):
-            assert (pick_bucket(num_tokens, tokens), pick_bucket(num_seqs, seqs)) in pairs
+    for num_tokens in range(1, tokens[-1] + 1, 7):
+        t = pick_bucket(num_tokens, tokens)
+        for num_seqs in range(1, min(num_tokens, seqs[-1]) + 1):
+            assert (t, pick_seq_bucket(t, num_seqs, seqs)) in pairs
     assert (8, 16) not in pairs
+
+
+def test_large_token_buckets_compile_one_sequence_bucket():
+    pairs = bucket_pairs(make_token_buckets(2048), [4, 8, 16, 32, 64])
+    assert [s for t, s in pairs if t >= 256] == [64] * 7
+    assert pick_seq_bucket(384, 2, [4, 8, 16, 32, 64]) == 64
+    assert pick_seq_bucket(128, 2, [4, 8, 16, 32, 64]) == 4
+    assert len(pairs) == 31  # 39 with powers of two and every pair
 
 
 def test_scheduler_config_default_buckets():
     c = SchedulerConfig(max_num_seqs=64, max_num_batched_tokens=512, max_model_len=2048)
-    assert c.token_bucket_sizes == (8, 16, 32, 64, 128, 256, 512)
+    assert c.token_bucket_sizes == (8, 16, 32, 64, 128, 192, 256, 384, 512)
     assert c.seq_bucket_sizes == (4, 8, 16, 32, 64)
     assert c.pages_per_seq(16) == 128
 
@@ -60,7 +87,7 @@ def test_scheduler_config_custom_buckets_sorted_and_must_reach_limit():
     (dict(max_num_seqs=64, max_num_batched_tokens=32),
      "max_num_batched_tokens must be >= max_num_seqs=64, got 32"),
     (dict(watermark=1.0), "watermark must be in [0, 1), got 1.0"),
-    (dict(policy="lifo"), "policy must be one of ('fcfs', 'priority'), got 'lifo'"),
+    (dict(policy="lifo"), "policy must be one of ('fcfs', 'priority', 'length-aware'), got 'lifo'"),
     (dict(max_waiting=0), "max_waiting must be >= 1 or None, got 0"),
 ])
 def test_scheduler_config_validation(kwargs, message):

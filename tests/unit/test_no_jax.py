@@ -3,9 +3,12 @@
 import subprocess
 import sys
 
-MODULES = ["serving.request", "serving.block_pool", "serving.kv_cache_manager",
+MODULES = ["serving.request", "serving.page_pool", "serving.kv_cache_manager",
            "serving.scheduler", "serving.buckets", "serving.batch", "serving.config",
-           "serving.reasoning", "serving.tool_parsers", "serving.chat_reply",
+           "serving.reasoning", "serving.detokenizer", "serving.output_processor",
+           "serving.step_cost", "serving.http_policy", "serving.policies",
+           "serving.degradation", "serving.swap", "qwen_jax.options", "qwen_jax.validation",
+           "qwen_jax.quantization", "serving.tool_parsers", "serving.chat_reply",
            "serving.structured", "serving.structured_params", "serving.openai_structured"]
 
 
@@ -18,9 +21,10 @@ def test_core_modules_do_not_import_jax():
 
 
 def test_pure_python_modules_do_not_import_numpy():
-    pure = ["serving.request", "serving.block_pool", "serving.kv_cache_manager",
-            "serving.scheduler", "serving.buckets", "serving.config", "serving.tool_parsers",
-            "serving.structured_params", "serving.chat_reply"]
+    pure = ["serving.request", "serving.page_pool", "serving.kv_cache_manager",
+            "serving.scheduler", "serving.buckets", "serving.config", "serving.policies",
+            "serving.degradation", "serving.swap",
+            "serving.tool_parsers", "serving.structured_params", "serving.chat_reply"]
     code = ("import sys\n" + "".join(f"import {m}\n" for m in pure)
             + "print('numpy' in sys.modules)")
     result = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True,

@@ -2,8 +2,7 @@
 
 import pytest
 
-from serving.request import (CompletionOutput, Request, RequestOutput, RequestStatus,
-                             SamplingParams)
+from serving.request import CompletionOutput, Request, RequestOutput, RequestStatus, SamplingParams
 
 
 def test_sampling_params_defaults_match_vllm():

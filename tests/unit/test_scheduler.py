@@ -10,12 +10,14 @@ from serving.scheduler import QueueFullError, Scheduler
 BS = 4
 
 
-def make_scheduler(num_blocks=64, policy="fcfs", watermark=0.0, caching=True, **kwargs):
+def make_scheduler(num_pages=64, policy="fcfs", watermark=0.0, caching=True, **kwargs):
+    # No admission headroom and no growth plan: these tests overcommit tiny pools on purpose.
+    kwargs.setdefault("kv_plan_limit", 1.0)
     kwargs.setdefault("max_num_seqs", 8)
     kwargs.setdefault("max_num_batched_tokens", 32)
     kwargs.setdefault("max_model_len", 64)
     config = SchedulerConfig(policy=policy, watermark=watermark, **kwargs)
-    return Scheduler(config, KVCacheManager(num_blocks, BS, enable_prefix_caching=caching))
+    return Scheduler(config, KVCacheManager(num_pages, BS, enable_prefix_caching=caching))
 
 
 def make_request(rid, num_prompt, *, first_token=0, priority=0, arrival=None, max_tokens=4):
@@ -93,18 +95,18 @@ def test_request_without_tokens_to_compute_is_not_scheduled():
 
 def test_watermark_blocks_admission_but_not_running_growth():
     # 10 usable pages, watermark 0.2 -> 2 pages must stay free at admission.
-    s = make_scheduler(num_blocks=11, watermark=0.2)
+    s = make_scheduler(num_pages=11, watermark=0.2)
     s.add_request(make_request("a", 32))  # 8 pages -> leaves exactly 2
     s.add_request(make_request("b", 4))  # would leave 1
     out = step(s)
     assert chunks(out) == [("a", 32)] and s.num_waiting == 1
     for _ in range(2):  # running growth may eat into the watermark
         step(s)
-    assert len(s.get_request("a").block_ids) == 9
+    assert len(s.get_request("a").page_ids) == 9
 
 
 def test_preemption_takes_newest_and_requeues_it_at_the_front():
-    s = make_scheduler(num_blocks=5, max_num_batched_tokens=64)  # 4 usable pages
+    s = make_scheduler(num_pages=5, max_num_batched_tokens=64)  # 4 usable pages
     s.add_request(make_request("a", 8))
     s.add_request(make_request("b", 8))
     step(s)
@@ -113,18 +115,18 @@ def test_preemption_takes_newest_and_requeues_it_at_the_front():
     assert out.preempted == ["b"] and chunks(out) == [("a", 1)]
     b = s.get_request("b")
     assert b.status == RequestStatus.PREEMPTED and b.num_computed_tokens == 0
-    assert b.block_ids == [] and b.num_preemptions == 1 and s.num_preemptions == 1
+    assert b.page_ids == [] and b.num_preemptions == 1 and s.num_preemptions == 1
     assert [r.request_id for r in s.waiting] == ["b", "c"]
 
 
 def test_preempted_request_resumes_with_outputs_recomputed():
-    s = make_scheduler(num_blocks=5, max_num_batched_tokens=64, caching=False)
+    s = make_scheduler(num_pages=5, max_num_batched_tokens=64, caching=False)
     s.add_request(make_request("a", 8, max_tokens=1))
     s.add_request(make_request("b", 8, first_token=100))
     step(s)
     step(s)  # b preempted
     a = s.finish("a", RequestStatus.FINISHED_LENGTH_CAPPED)
-    assert a.block_ids == []
+    assert a.page_ids == []
     out = step(s)
     b = s.get_request("b")
     assert chunks(out) == [("b", 9)] and out.scheduled[0].start == 0
@@ -132,7 +134,7 @@ def test_preempted_request_resumes_with_outputs_recomputed():
 
 
 def test_request_that_is_its_own_victim_stops_the_step():
-    s = make_scheduler(num_blocks=3, max_num_batched_tokens=64, max_model_len=8)
+    s = make_scheduler(num_pages=3, max_num_batched_tokens=64, max_model_len=8)
     s.add_request(make_request("a", 8, max_tokens=1))  # 2 usable pages: exactly fits
     step(s)
     s.get_request("a").append_output_token(5)  # hypothetical 10th token needs a 3rd page
@@ -141,7 +143,7 @@ def test_request_that_is_its_own_victim_stops_the_step():
 
 
 def test_priority_policy_orders_waiting_and_preempts_lowest_priority():
-    s = make_scheduler(num_blocks=5, max_num_batched_tokens=64, policy="priority")
+    s = make_scheduler(num_pages=5, max_num_batched_tokens=64, policy="priority")
     s.add_request(make_request("low", 8, priority=5, arrival=1.0))
     s.add_request(make_request("high", 8, priority=0, arrival=2.0))
     out = step(s)
@@ -151,7 +153,7 @@ def test_priority_policy_orders_waiting_and_preempts_lowest_priority():
 
 
 def test_priority_preemption_refunds_an_already_scheduled_victim():
-    s = make_scheduler(num_blocks=5, max_num_batched_tokens=64, policy="priority")
+    s = make_scheduler(num_pages=5, max_num_batched_tokens=64, policy="priority")
     s.add_request(make_request("low", 6, priority=5, arrival=1.0))
     step(s)
     s.add_request(make_request("high", 8, first_token=100, priority=0, arrival=2.0))
@@ -175,15 +177,15 @@ def test_fcfs_waiting_order():
 
 
 def test_abort_frees_pages_at_once_and_dequeues():
-    s = make_scheduler(num_blocks=11)
+    s = make_scheduler(num_pages=11)
     s.add_request(make_request("a", 8))
     s.add_request(make_request("b", 4))
     step(s)
     s.add_request(make_request("w", 4))
-    free_before = s.kv.num_free_blocks
+    free_before = s.kv.num_free_pages
     aborted = s.abort("a")
-    assert aborted.status == RequestStatus.FINISHED_ABORTED and aborted.block_ids == []
-    assert s.kv.num_free_blocks == free_before + 2 and s.num_running == 1
+    assert aborted.status == RequestStatus.FINISHED_ABORTED and aborted.page_ids == []
+    assert s.kv.num_free_pages == free_before + 2 and s.num_running == 1
     assert s.abort("w").status == RequestStatus.FINISHED_ABORTED and s.num_waiting == 0
     assert s.abort("missing") is None
 
@@ -194,7 +196,7 @@ def test_abort_between_schedule_and_update_is_ignored():
     out = s.schedule()
     s.abort("a")
     s.update_after_step(out)
-    assert s.kv.pool.num_cached_blocks == 0 and not s.has_unfinished
+    assert s.kv.pool.num_cached_pages == 0 and not s.has_unfinished
 
 
 def test_prefix_hit_sets_num_computed_tokens():
@@ -209,7 +211,7 @@ def test_prefix_hit_sets_num_computed_tokens():
 
 
 def test_no_page_leak_after_everything_finishes():
-    s = make_scheduler(num_blocks=9, max_num_batched_tokens=16, caching=True)
+    s = make_scheduler(num_pages=9, max_num_batched_tokens=16, caching=True)
     for i in range(6):
         s.add_request(make_request(f"r{i}", 5 + 3 * i, max_tokens=6))
     for _ in range(200):
@@ -220,7 +222,7 @@ def test_no_page_leak_after_everything_finishes():
             if s.is_length_capped(r):
                 s.finish(r.request_id, RequestStatus.FINISHED_LENGTH_CAPPED)
     assert not s.has_unfinished and s.num_preemptions > 0
-    assert s.kv.num_free_blocks == s.kv.num_total_blocks
+    assert s.kv.num_free_pages == s.kv.num_total_pages
 
 
 def test_add_request_rejects_prompt_over_max_model_len():
@@ -230,8 +232,8 @@ def test_add_request_rejects_prompt_over_max_model_len():
 
 
 def test_add_request_rejects_requests_larger_than_the_cache():
-    s = make_scheduler(num_blocks=3, max_model_len=64)
-    with pytest.raises(ValueError, match="num_total_blocks=2"):
+    s = make_scheduler(num_pages=3, max_model_len=64)
+    with pytest.raises(ValueError, match="num_total_pages=2"):
         s.add_request(make_request("a", 8, max_tokens=8))
 
 
@@ -252,7 +254,7 @@ def test_finish_requires_a_finished_status():
 
 
 def test_watermark_is_waived_when_nothing_is_running():
-    s = make_scheduler(num_blocks=11, watermark=0.2, max_model_len=40, max_num_batched_tokens=64)
+    s = make_scheduler(num_pages=11, watermark=0.2, max_model_len=40, max_num_batched_tokens=64)
     s.add_request(make_request("big", 36, max_tokens=1))  # 9 of 10 pages
     out = step(s)
     assert chunks(out) == [("big", 36)]

@@ -47,12 +47,6 @@ def test_copy_curriculum_lengths_are_respected():
         assert 8 <= len(filler.replace("What was the code?", "").split()) <= 16
 
 
-def test_final_answer_is_the_text_after_the_think_block():
-    assert tasks.final_answer("<think>\n2 3 4\n</think>\n\n432") == "432"
-    assert tasks.final_answer("<think>\n\n</think>\n\n1 2 3") == "1 2 3"
-    assert tasks.final_answer(" 432\n") == "432"  # no think block: the whole reply
-
-
 def test_eval_problems_are_seeded_apart_from_training():
     for task in tasks.TASKS:
         train = {p.prompt for p in tasks.problems(task, 200, split="train")}
@@ -72,13 +66,14 @@ def test_bad_task_or_split_is_refused_by_name(kwargs, field):
 
 def test_tool_problems_call_add_then_answer_from_the_result():
     from qwen_jax import tool_task
+    from serving.eval_tasks import parse_call
     for p in tasks.problems("tool", 50):
         a, b = map(int, re.fullmatch(r"Use the tool to add (\d+) and (\d+)\.", p.prompt).groups())
         (m1, tools1, call), (m2, tools2, answer) = p.turns()
         assert tools1 == tools2 == tool_task.TOOLS and m1 == p.messages
         assert call == ("<think>\n\n</think>\n\n<tool_call>\n{\"name\": \"add\", \"arguments\": "
                         f"{{\"a\": {a}, \"b\": {b}}}}}\n</tool_call>")
-        assert tool_task.parse_call(call) == {"a": a, "b": b}
+        assert parse_call(call) == {"a": a, "b": b}
         assert m2[-1] == {"role": "tool", "tool_call_id": "call_0", "content": str(a + b)}
         assert answer.endswith(f"{a} + {b} = {a + b}")
 
@@ -95,7 +90,7 @@ def test_tool_eval_scores_the_whole_loop():
         assert max_tokens == tool_task.MAX_TOOL_TOKENS
         return [next(v for k, v in replies.items() if k in p.rsplit("<|im_start|>", 2)[-2])
                 for p in prompts]
-    from qwen_jax.eval_tasks import TINY_MODEL, chat_template
-    assert tool_task.evaluate(problems, chat_template(TINY_MODEL), generate) == [True, False]
-    assert tool_task.parse_call("<tool_call>\n{broken}\n</tool_call>") is None
-    assert tool_task.parse_call("text first " + problems[0].call_text) is None
+    from serving.eval_tasks import TINY_MODEL, chat_template, evaluate_tool, parse_call
+    assert evaluate_tool(problems, chat_template(TINY_MODEL), generate) == [True, False]
+    assert parse_call("<tool_call>\n{broken}\n</tool_call>") is None
+    assert parse_call("text first " + problems[0].call_text) is None

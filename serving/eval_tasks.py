@@ -1,6 +1,7 @@
 """Exact-match accuracy of a model on the held-out generated tasks, through `qwen_jax.LLM`.
 
-    python -m qwen_jax.eval_tasks [--n 500] [--model PATH] [--seed 0] [engine options]
+    python -m serving.eval_tasks [--n 500] [--model PATH] [--seed 0] [--quantization Q]
+        [engine options]
 
 Prompts use the chat template in thinking mode (its default): the model writes a think
 block (empty for the list and copy tasks, the sum's digits ones-first for addition) and
@@ -18,10 +19,18 @@ from __future__ import annotations
 import argparse
 import json
 import sys
+from collections.abc import Sequence
 from pathlib import Path
 
-from qwen_jax import tasks, tool_task
+from qwen_jax import tasks
+from qwen_jax.options import QUANTIZATION_METHODS
+from qwen_jax.tokenizer import compile_chat_template, normalize_messages
+from qwen_jax.tool_task import MAX_TOOL_TOKENS, TOOLS, ToolProblem
 from qwen_jax.weights import DEFAULT_MODEL_DIR
+from serving.llm import LLM
+from serving.reasoning import Qwen3ReasoningParser
+from serving.request import SamplingParams
+from serving.tool_parsers import HermesToolParser
 
 TINY_MODEL = DEFAULT_MODEL_DIR
 MAX_ANSWER_TOKENS = 32  # the think block and the answer
@@ -32,7 +41,7 @@ def chat_template(model_path: str | Path) -> str:
         return json.load(f)["chat_template"]
 
 
-def render_prompts(problems: list[tasks.Problem], template: str) -> list[str]:
+def render_prompts(problems: Sequence[tasks.AnyProblem], template: str) -> list[str]:
     """Chat-formatted prompt strings ending at `<|im_start|>assistant\n` (thinking mode)."""
     import jinja2
     env = jinja2.Environment(trim_blocks=True, lstrip_blocks=True)
@@ -40,17 +49,15 @@ def render_prompts(problems: list[tasks.Problem], template: str) -> list[str]:
     return [compiled.render(messages=p.messages, add_generation_prompt=True) for p in problems]
 
 
-def _sampling_params(max_tokens: int):
-    try:
-        from qwen_jax import SamplingParams
-    except ImportError:  # a test stand-in for LLM ignores the parameters
-        return None
-    return SamplingParams(temperature=0.0, max_tokens=max_tokens)
+def final_answer(text: str) -> str:
+    """The reply after the think block, split as the server's `--reasoning-parser qwen3`
+    splits it ("" when the reply was cut off inside the think block)."""
+    return (Qwen3ReasoningParser.extract(text)[1] or "").strip()
 
 
 def generate_texts(llm, prompts: list[str], *, one_at_a_time: bool = False,
                    max_tokens: int = MAX_ANSWER_TOKENS) -> list[str]:
-    params = _sampling_params(max_tokens)
+    params = SamplingParams(temperature=0.0, max_tokens=max_tokens)
     if one_at_a_time:
         outputs = [llm.generate([p], params)[0] for p in prompts]
     else:
@@ -67,14 +74,48 @@ def evaluate(llm, n: int, seed: int = 0, *, model_path: str | Path = TINY_MODEL,
     for task in task_names:
         problems = tasks.problems(task, n, seed=seed, split="eval")
         if task == "tool":
-            correct = tool_task.evaluate(problems, template, lambda prompts, max_tokens: (
+            tool_problems = [p for p in problems if isinstance(p, ToolProblem)]
+            correct = evaluate_tool(tool_problems, template, lambda prompts, max_tokens: (
                 generate_texts(llm, prompts, one_at_a_time=one_at_a_time, max_tokens=max_tokens)))
         else:
             texts = generate_texts(llm, render_prompts(problems, template),
                                    one_at_a_time=one_at_a_time)
-            correct = [tasks.final_answer(text) == p.answer for text, p in zip(texts, problems)]
+            correct = [final_answer(text) == p.answer for text, p in zip(texts, problems)]
         results[task] = (sum(correct) / max(1, n), correct)
     return results
+
+
+def parse_call(text: str) -> dict | None:
+    """The arguments of the one `add` call of a generated first turn (after its think
+    block, as the server's `--reasoning-parser qwen3` splits it), parsed as the server's
+    Hermes tool parser parses it; None unless there is exactly one such call."""
+    content = Qwen3ReasoningParser.extract(text)[1] or ""
+    parsed = HermesToolParser.extract(content, ["add"])
+    if len(parsed.calls) != 1 or parsed.content:
+        return None
+    arguments = json.loads(parsed.calls[0].arguments)
+    return arguments if set(arguments) == {"a", "b"} else None
+
+
+def render_tool_prompts(template: str, conversations: list[list[dict]]) -> list[str]:
+    """Prompts with the tools, ending at `<|im_start|>assistant\n` (thinking mode)."""
+    compiled = compile_chat_template(template)
+    return [compiled.render(messages=normalize_messages(m), tools=list(TOOLS),
+                            add_generation_prompt=True) for m in conversations]
+
+
+def evaluate_tool(problems: list[ToolProblem], template: str, generate) -> list[bool]:
+    """Per problem, the whole loop: the model calls `add` with the right arguments, the
+    call is run, and given its result the model answers exactly. `generate(prompts,
+    max_tokens) -> texts`."""
+    calls = [parse_call(t) for t in generate(
+        render_tool_prompts(template, [p.messages for p in problems]), MAX_TOOL_TOKENS)]
+    right = [c == {"a": p.a, "b": p.b} for c, p in zip(calls, problems)]
+    follow = [p for p, ok in zip(problems, right) if ok]
+    answers = generate(render_tool_prompts(template, [p.answer_messages() for p in follow]),
+                       MAX_TOOL_TOKENS)
+    exact = iter(final_answer(text) == p.answer for text, p in zip(answers, follow))
+    return [ok and next(exact) for ok in right]
 
 
 def format_results(results: dict[str, tuple[float, list[bool]]]) -> str:
@@ -86,6 +127,8 @@ def _engine_kwargs(args) -> dict:
     names = ("max_num_seqs", "max_num_batched_tokens", "max_model_len", "block_size",
              "num_gpu_blocks_override")
     kwargs = {name: getattr(args, name) for name in names if getattr(args, name) is not None}
+    if args.quantization is not None:
+        kwargs["quantization"] = args.quantization
     if args.enable_prefix_caching is not None:
         kwargs["enable_prefix_caching"] = args.enable_prefix_caching
     return kwargs
@@ -105,8 +148,10 @@ def main(argv=None) -> None:
                  "num-gpu-blocks-override"):
         ap.add_argument(f"--{name}", type=int, default=None)
     ap.add_argument("--enable-prefix-caching", action=argparse.BooleanOptionalAction, default=None)
+    ap.add_argument("--quantization", default=None, choices=QUANTIZATION_METHODS,
+                    help="fp8 | int8: quantise the model at load (fp8 / AWQ checkpoints load "
+                         "quantised without it)")
     args = ap.parse_args(argv)
-    from qwen_jax import LLM
     llm = LLM(model=args.model, **_engine_kwargs(args))
     if args.passes < 1:
         ap.error(f"--passes must be at least 1, got {args.passes}")

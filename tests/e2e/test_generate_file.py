@@ -11,8 +11,6 @@ from pathlib import Path
 
 import pytest
 
-from tests.engine.conftest import compile_cache, tokenizer_ckpt  # noqa: F401 (fixtures)
-
 REPO = Path(__file__).resolve().parents[2]
 ENGINE = ["--max-num-seqs", "8", "--max-num-batched-tokens", "64", "--max-model-len", "96",
           "--token-buckets", "64", "--seq-buckets", "8"]
@@ -121,7 +119,7 @@ def test_bad_lines_are_reported_and_good_ones_complete(tmp_path, tokenizer_ckpt,
 
 
 def test_torn_tail_is_truncated_and_ids_collected(tmp_path):
-    from qwen_jax.batch import JsonlAppender
+    from serving.generate_file import JsonlAppender
     path = tmp_path / "out.jsonl"
     path.write_bytes(b'{"id": "a"}\n{"id": "b"}\n{"id": "c", "te')
     appender = JsonlAppender(path)
@@ -132,8 +130,32 @@ def test_torn_tail_is_truncated_and_ids_collected(tmp_path):
 
 
 def test_generate_file_rejects_unknown_default_sampling(tmp_path):
-    from qwen_jax.batch import generate_file
+    from serving.generate_file import generate_file
     (tmp_path / "in.jsonl").write_text("")
     with pytest.raises(ValueError, match="max_token"):
         generate_file(tmp_path / "in.jsonl", tmp_path / "out.jsonl", llm=object(),
                       default_sampling={"max_token": 3})
+
+
+def test_a_request_the_engine_fails_is_reported_and_the_rest_complete(tmp_path, tokenizer_ckpt,
+                                                                      compile_cache):
+    from serving.generate_file import generate_file
+    from serving.llm import LLM
+    from tests.helpers.failures import corrupt_token_after
+    ckpt, _ = tokenizer_ckpt
+    llm = LLM(str(ckpt), max_num_seqs=8, max_num_batched_tokens=64, max_model_len=96,
+              token_buckets=[64], seq_buckets=[8], compilation_cache_dir=str(compile_cache))
+    corrupt_token_after(llm.llm_engine, marker=4242)
+    inp, out, errors = tmp_path / "in.jsonl", tmp_path / "out.jsonl", tmp_path / "err.jsonl"
+    _write_jsonl(inp, [{"id": "ok", "prompt": [11, 12, 13], "max_tokens": 3},
+                       {"id": "victim", "prompt": [11, 12, 4242], "max_tokens": 3}])
+    summary = generate_file(inp, out, llm=llm, errors_path=errors, progress=False)
+    assert [r["id"] for r in _lines(out)] == ["ok"]
+    (error,) = _lines(errors)
+    assert error["id"] == "victim" and "sampled token id -7" in error["error"]
+    assert summary["completed"] == 1 and summary["errors"] == 1
+    # The offline API hands the failed request back finished, with the reason.
+    failed, fine = llm.generate([{"prompt_token_ids": [5, 4242]}, {"prompt_token_ids": [5, 6]}])
+    assert failed.finished and failed.outputs[0].finish_reason == "error" and failed.error
+    assert fine.error is None and fine.outputs[0].finish_reason is not None
+    assert llm.stats()["num_used_pages"] == 0

@@ -1,4 +1,4 @@
-"""Offline batch generation over a JSONL file: resumable, crash-safe, incremental.
+"""`qwen-jax generate`: offline generation over a JSONL file; resumable, crash-safe, incremental.
 
 Input lines: {"id": ..., "prompt": text | [token ids]} or {"id": ..., "messages": [...]},
 plus optional SamplingParams fields, `chat_template_kwargs` and `metadata` (echoed back).
@@ -16,7 +16,9 @@ import time
 import zlib
 from collections.abc import Iterator
 from pathlib import Path
+from typing import Any
 
+from serving.llm import LLM
 from serving.request import RequestOutput, SamplingParams
 
 SAMPLING_FIELDS = frozenset(f.name for f in dataclasses.fields(SamplingParams))
@@ -157,12 +159,13 @@ def result_record(item: BatchItem, output: RequestOutput, finished_at: float) ->
         if metrics.first_token_time is not None:
             ttft = round(metrics.first_token_time - metrics.arrival_time, 6)
         e2e = round((metrics.finished_time or finished_at) - metrics.arrival_time, 6)
-    record = {"id": item.id, "text": first.text, "token_ids": list(first.token_ids),
-              "finish_reason": first.finish_reason,
-              "usage": {"prompt_tokens": len(output.prompt_token_ids),
-                        "completion_tokens": num_completion,
-                        "total_tokens": len(output.prompt_token_ids) + num_completion},
-              "timing": {"ttft_s": ttft, "e2e_s": e2e}}
+    record: dict[str, Any] = {"id": item.id, "text": first.text, "token_ids": list(first.token_ids),
+                              "finish_reason": first.finish_reason,
+                              "usage": {"prompt_tokens": len(output.prompt_token_ids),
+                                        "completion_tokens": num_completion,
+                                        "total_tokens": len(output.prompt_token_ids)
+                                        + num_completion},
+                              "timing": {"ttft_s": ttft, "e2e_s": e2e}}
     if len(output.outputs) > 1:
         record["outputs"] = [{"index": o.index, "text": o.text, "token_ids": list(o.token_ids),
                               "finish_reason": o.finish_reason} for o in output.outputs]
@@ -229,6 +232,9 @@ class _BatchRun:
 
     def finish(self, output: RequestOutput, bar) -> None:
         item = self.pending.pop(output.request_id)
+        if output.error is not None:  # the engine failed this line alone; a rerun retries it
+            self.report(item.line_no, item.id, output.error, bar)
+            return
         record = result_record(item, output, time.monotonic())
         self.output.write(record)
         self.counts["completed"] += 1
@@ -277,7 +283,6 @@ def generate_file(input, output, *, llm=None, model: str | None = None,
     if unknown:
         raise ValueError(f"default_sampling has unknown SamplingParams field(s) {unknown}")
     if llm is None:
-        from serving.llm import LLM
         llm = LLM(model, **(engine_kwargs or {}))
     engine = llm.llm_engine
     max_in_flight = max_in_flight or 2 * engine.scheduler_config.max_num_seqs

@@ -3,9 +3,12 @@
 from __future__ import annotations
 
 import asyncio
+import contextlib
 import json
+import re
 import time
 from datetime import datetime
+from typing import Any
 
 import aiohttp
 import numpy as np
@@ -15,6 +18,8 @@ from serving.bench.metrics import RequestResult, compute_metrics, format_table, 
 
 CHAT_ENDPOINT = "/v1/chat/completions"
 TIMEOUT = aiohttp.ClientTimeout(total=6 * 3600)
+# Any server's gauges: ours (qwen_jax: or vllm:), vLLM's, SGLang's.
+_GAUGE = re.compile(r"^[a-z_]+:num_requests_(running|waiting)(?:\{[^}]*\})?\s+(\S+)", re.M)
 
 
 def build_payload(request: BenchRequest, *, model: str | None, chat: bool,
@@ -30,8 +35,9 @@ def build_payload(request: BenchRequest, *, model: str | None, chat: bool,
             + [{"role": "user", "content": request.prompt}])
         payload.update(messages=messages, max_completion_tokens=request.output_len)
     else:
-        prompt = request.prompt if request.prompt is not None else " ".join(
-            str(m.get("content", "")) for m in request.messages)
+        # Text, or token ids (then the system prefix is ids too).
+        prompt: Any = request.prompt if request.prompt is not None else " ".join(
+            str(m.get("content", "")) for m in request.messages or ())
         if request.system:
             prompt = request.system + prompt
         payload.update(prompt=prompt, max_tokens=request.output_len)
@@ -78,6 +84,7 @@ async def send_request(session: aiohttp.ClientSession, url: str, payload: dict,
                        request: BenchRequest, chat: bool, tokenizer=None) -> RequestResult:
     result = RequestResult(prompt_len=request.prompt_len)
     started = time.perf_counter()
+    result.start = started  # made relative to the run's start by run_benchmark
     try:
         async with session.post(url, json=payload) as response:
             if response.status != 200:
@@ -107,32 +114,96 @@ async def arrivals(requests: list[BenchRequest], rate: float, burstiness: float,
             await asyncio.sleep(rng.gamma(shape=burstiness, scale=1.0 / (rate * burstiness)))
 
 
+async def server_gauges(session: aiohttp.ClientSession, base_url: str) -> dict | None:
+    """Running and waiting requests from the server's /metrics; None without them."""
+    try:
+        async with session.get(base_url.rstrip("/") + "/metrics",
+                               timeout=aiohttp.ClientTimeout(total=5)) as r:
+            if r.status != 200:
+                return None
+            text = await r.text()
+    except (aiohttp.ClientError, asyncio.TimeoutError):
+        return None
+    found = {"running": 0.0, "waiting": 0.0}
+    matches = _GAUGE.findall(text)
+    for kind, value in matches:
+        found[kind] += float(value)
+    return found if matches else None
+
+
+class Timeline:
+    """Samples of the run every `interval` s: the client's requests in flight and, while
+    the server exposes them, its running and waiting gauges."""
+
+    def __init__(self, interval: float):
+        self.interval = interval
+        self.in_flight = 0
+        self.data: dict[str, list] = {"t": [], "in_flight": [], "running": [], "waiting": []}
+
+    async def sample(self, session, base_url: str, started: float) -> None:
+        query = True
+        while True:
+            query = await self.sample_once(session, base_url, started, query)
+            await asyncio.sleep(self.interval)
+
+    async def sample_once(self, session, base_url: str, started: float,
+                          query: bool = True) -> bool:
+        """One sample; returns whether the server answered with its gauges (once it has
+        not, only the client's count is sampled)."""
+        gauges = await server_gauges(session, base_url) if query else None
+        self.data["t"].append(round(time.perf_counter() - started, 3))
+        self.data["in_flight"].append(self.in_flight)
+        if gauges is not None:
+            self.data["running"].append(gauges["running"])
+            self.data["waiting"].append(gauges["waiting"])
+        return gauges is not None
+
+    def report(self) -> dict:
+        data = dict(self.data)
+        if len(data["running"]) != len(data["t"]):  # the server stopped answering: drop them
+            data["running"] = data["waiting"] = []
+        return data
+
+
 async def run_benchmark(requests: list[BenchRequest], *, base_url: str, endpoint: str,
                         model: str | None, request_rate: float, burstiness: float,
                         max_concurrency: int | None, seed: int, ignore_eos: bool,
-                        tokenizer=None, warmup: bool = True
-                        ) -> tuple[list[RequestResult], float]:
+                        tokenizer=None, warmup: bool = True, metrics_interval: float = 0.0
+                        ) -> tuple[list[RequestResult], float, dict]:
+    """(results, duration, timeline); each result's `start` is seconds into the run."""
     url = base_url.rstrip("/") + endpoint
     chat = endpoint == CHAT_ENDPOINT
     limit = asyncio.Semaphore(max_concurrency) if max_concurrency else None
+    timeline = Timeline(metrics_interval)
     connector = aiohttp.TCPConnector(limit=0, force_close=False)
     async with aiohttp.ClientSession(timeout=TIMEOUT, connector=connector) as session:
         async def one(request: BenchRequest) -> RequestResult:
             payload = build_payload(request, model=model, chat=chat, ignore_eos=ignore_eos)
-            if limit is None:
-                return await send_request(session, url, payload, request, chat, tokenizer)
-            async with limit:
-                return await send_request(session, url, payload, request, chat, tokenizer)
+            async with limit or contextlib.nullcontext():
+                timeline.in_flight += 1
+                try:
+                    return await send_request(session, url, payload, request, chat, tokenizer)
+                finally:
+                    timeline.in_flight -= 1
 
         if warmup:  # fail fast on a wrong URL or model name, before timing anything
             probe = await one(requests[0])
             if not probe.success:
                 raise RuntimeError(f"test request to {url} failed: {probe.error}")
         started = time.perf_counter()
+        sampler = (asyncio.create_task(timeline.sample(session, base_url, started))
+                   if metrics_interval > 0 else None)
         tasks = [asyncio.create_task(one(r)) async for r in
                  arrivals(requests, request_rate, burstiness, np.random.default_rng(seed))]
         results = await asyncio.gather(*tasks)
-        return list(results), time.perf_counter() - started
+        duration = time.perf_counter() - started
+        if sampler is not None:
+            sampler.cancel()
+            await timeline.sample_once(session, base_url, started,  # the idle end
+                                       query=bool(timeline.data["running"]))
+        for r in results:
+            r.start -= started
+        return list(results), duration, timeline.report()
 
 
 def _percentiles(text: str) -> list[float]:
@@ -151,6 +222,13 @@ def _validate(args) -> None:
         raise ValueError(f"--burstiness must be > 0, got {args.burstiness}")
     if args.max_concurrency is not None and args.max_concurrency < 1:
         raise ValueError(f"--max-concurrency must be >= 1, got {args.max_concurrency}")
+    if args.metrics_interval < 0:
+        raise ValueError(f"--metrics-interval must be >= 0, got {args.metrics_interval}")
+    if (args.plot_results or args.plot_labels) and not args.plot:
+        raise ValueError("--plot-results and --plot-labels go with --plot FILE.png")
+    if args.plot:  # before the run, not after it
+        from serving.bench.plot import require_matplotlib
+        require_matplotlib()
 
 
 def bench_serve(args) -> dict:
@@ -160,11 +238,11 @@ def bench_serve(args) -> dict:
     percentiles = _percentiles(args.metric_percentiles)
     tokenizer = load_tokenizer(args.tokenizer)
     requests = build_requests(args, tokenizer)
-    results, duration = asyncio.run(run_benchmark(
+    results, duration, timeline = asyncio.run(run_benchmark(
         requests, base_url=args.base_url, endpoint=args.endpoint, model=args.model,
         request_rate=args.request_rate, burstiness=args.burstiness,
         max_concurrency=args.max_concurrency, seed=args.seed, ignore_eos=args.ignore_eos,
-        tokenizer=tokenizer, warmup=not args.no_warmup))
+        tokenizer=tokenizer, warmup=not args.no_warmup, metrics_interval=args.metrics_interval))
     report = compute_metrics(results, duration, percentiles=percentiles, slos_ms=slos)
     print(format_table(report, percentiles))
     report = {"date": datetime.now().strftime("%Y%m%d-%H%M%S"), "base_url": args.base_url,
@@ -172,13 +250,26 @@ def bench_serve(args) -> dict:
               "num_prompts": len(requests), "request_rate": str(args.request_rate),
               "burstiness": args.burstiness, "max_concurrency": args.max_concurrency,
               "goodput_slos_ms": slos or None, **report,
-              "errors": [r.error for r in results if not r.success][:20]}
-    if args.save_detailed:
+              "errors": [r.error for r in results if not r.success][:20], "timeline": timeline}
+    if args.save_detailed or args.plot:
         report.update(input_lens=[r.prompt_len for r in results],
                       output_lens=[r.output_tokens for r in results],
                       ttfts=[r.ttft for r in results], itls=[r.itl for r in results],
-                      e2els=[r.latency for r in results])
+                      e2els=[r.latency for r in results],
+                      start_times=[round(r.start, 6) for r in results],
+                      successes=[r.success for r in results])
     if args.result_json:
         with open(args.result_json, "w") as f:
             json.dump(report, f, indent=2)
+    if args.plot:
+        from serving.bench.plot import plot_results
+        print(f"plot: {plot_results([(args.model or 'run', report)], args.plot)}")
     return report
+
+
+def plot_files(args) -> str:
+    """`--plot FILE --plot-results A.json B.json ...`: no benchmark, only the figure."""
+    from serving.bench.plot import load_results, plot_results
+    if not args.plot:
+        raise ValueError("--plot-results needs --plot FILE.png")
+    return plot_results(load_results(args.plot_results, args.plot_labels), args.plot)

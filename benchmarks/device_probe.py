@@ -1,0 +1,312 @@
+"""The device probe: one entry point for a lent GPU; every figure is appended to
+OUTDIR/probe.jsonl as one JSON line the moment it is measured.
+
+    PYTHONPATH=. python3 benchmarks/device_probe.py --out OUTDIR \\
+        [--stages env,check,attention,matmul,engine,offline] [--timeout STAGE=SECONDS]
+        [--num-gpu-blocks-override 5200] [--quantization fp8|int8|awq] [--small]
+
+Run from the repo root; nothing is installed. Stages run in this order, each in its own
+process under its own timeout (a stage that times out or crashes leaves one line saying
+so, and the next stage runs):
+
+  env        versions, devices, memory, whether Triton kernels lower for CUDA
+  check      each kernel against its jnp reference on the device
+  attention  decode HBM GB/s at 1 / 8 / 64 sequences of 1k context; 2k prefill TFLOP/s
+  matmul     grouped matmul GB/s over the experts touched at 1 / 8 / 64 decode tokens (bf16,
+             fp8 and int4 experts) and a 2k prefill; stacked q/k/v and o_proj matmuls; KV
+             page write
+  engine     LLMEngine on Qwen3-30B-A3B shapes, dummy bf16 weights: load seconds, then per
+             bucket compile seconds, temp memory and op counts of the compiled step
+  offline    decode through LLMEngine.step, 1024 in / 128 out, at 1, 8 and 64 sequences:
+             output tok/s, execute ms and host ms per step (in the engine's process)
+
+--quantization fp8 (or int8, awq): the engine and offline stages with quantised weights,
+to set beside a run without it (`--stages engine,offline --quantization fp8`); the matmul
+stage always measures the grouped matmul with bf16, fp8 and int4 expert weights.
+
+--small: the embedded tiny model and tiny kernel shapes on the CPU, kernels interpreted:
+a dry run of every stage (its numbers mean nothing).
+"""
+
+import argparse
+import json
+import os
+import platform
+import subprocess
+import sys
+import threading
+import time
+
+STAGES = ("env", "check", "attention", "matmul", "engine", "offline")
+# Seconds per stage on an H200: about 8 minutes in all.
+TIMEOUTS = {"env": 45, "check": 60, "attention": 45, "matmul": 60, "engine": 150,
+            "offline": 110}
+REPO = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+
+
+class JsonLines:
+    """Appends one JSON object per line, flushed at once, stamped with seconds since
+    the probe started."""
+
+    def __init__(self, path, started):
+        self.path, self.started = path, started
+
+    def __call__(self, stage, **row):
+        line = json.dumps({"stage": stage, **row, "t": round(time.time() - self.started, 1)},
+                          default=str)
+        print(line, flush=True)
+        with open(self.path, "a") as f:
+            f.write(line + "\n")
+
+
+# ---- stages (each runs in a child process) ----------------------------------------------
+def stage_env(emit, args, arm):
+    del arm
+    import jax
+
+    from serving.step_hlo import cuda_lowering_error
+    device = jax.devices()[0]
+    emit("env", python=platform.python_version(), jax=jax.__version__,
+         backend=jax.default_backend(), devices=[d.device_kind for d in jax.devices()],
+         memory=getattr(device, "memory_stats", lambda: None)(),
+         xla_flags=os.environ.get("XLA_FLAGS", ""), cuda_lowering=cuda_lowering_error() or "ok",
+         commit=_git_head())
+
+
+def _kernel_stage(stage, parts):
+    """A stage made of benchmarks/kernels.py parts."""
+    def run(emit, args, arm):
+        del arm
+        import kernels  # benchmarks/kernels.py, next to this script
+        kernels.run(parts, small=args.small, emit=lambda row: emit(stage, **row))
+    return run
+
+
+def engine_kwargs(args):
+    quantization = {} if args.quantization is None else dict(quantization=args.quantization)
+    if args.small:
+        return dict(model=None, max_num_seqs=8, max_num_batched_tokens=64, max_model_len=256,
+                    token_buckets=[8, 64], seq_buckets=[4, 8], num_gpu_blocks_override=200,
+                    **quantization)
+    # 64 sequences of 1024 + 128 tokens need 64 x 72 pages + the scratch page.
+    return dict(model="qwen3-30b-a3b", load_format="dummy", dtype="bfloat16",
+                max_num_seqs=64, max_num_batched_tokens=2048, max_model_len=1280,
+                token_buckets=[8, 64, 2048], seq_buckets=[4, 8, 64],
+                num_gpu_blocks_override=args.num_gpu_blocks_override, **quantization)
+
+
+def stage_engine(emit, args, arm):
+    """Load, compile (a line per bucket as it is ready), then the offline runs."""
+    import jax
+
+    from serving import step_hlo
+    from serving.engine import LLMEngine
+    from serving.llm import engine_config_from_kwargs
+
+    kwargs = engine_kwargs(args)
+    started = time.time()
+    engine = LLMEngine(engine_config_from_kwargs(
+        kwargs.pop("model"), show_progress=False, compilation_cache_dir=None,
+        precompile=False, enable_prefix_caching=False, **kwargs))
+    device = jax.local_devices()[0]
+    emit("engine", load_s=round(engine.load_seconds, 1), kv_pages=engine.num_pages,
+         buckets=engine.bucket_pairs, impl=engine.model.impl,
+         quantization=args.quantization or "none",
+         weight_gb=round(_weight_bytes(engine) / 1e9, 3),
+         memory=getattr(device, "memory_stats", lambda: None)())
+    weight_shapes = step_hlo.per_layer_weight_shapes(engine.runner)
+
+    def compiled(bucket, executable, seconds):
+        memory = executable.memory_analysis()
+        emit("engine", bucket=bucket, compile_s=round(seconds, 1),
+             temp_mb=round(memory.temp_size_in_bytes / 2**20),
+             argument_mb=round(memory.argument_size_in_bytes / 2**20),
+             ops=step_hlo.compiled_counts(executable.as_text(), weight_shapes))
+
+    seconds = engine.runner.precompile(engine.bucket_pairs, progress=False, on_compiled=compiled)
+    emit("engine", compile_all_s=round(seconds, 1), total_s=round(time.time() - started, 1))
+    if "offline" in args.stages:
+        arm("offline")
+        stage_offline(emit, args, engine)
+
+
+def stage_offline(emit, args, engine):
+    import numpy as np
+
+    from serving.request import SamplingParams
+    in_len, out_len = (40, 8) if args.small else (1024, 128)
+    decode_tokens = 8 if args.small else 64  # decode steps run in buckets of <= this
+    params = SamplingParams(temperature=0.0, max_tokens=out_len, ignore_eos=True)
+    rng = np.random.default_rng(1)
+    vocab = engine.model_config.vocab_size
+    levels = sorted({min(c, 8) for c in args.concurrency}) if args.small else args.concurrency
+    shapes = []
+    for concurrency in levels:
+        for i in range(concurrency):
+            engine.add_request(f"c{concurrency}-{i}", {"prompt_token_ids": rng.integers(
+                2, vocab - 1, in_len).tolist()}, params, stream=False)
+        steps, started = [], time.perf_counter()
+        while engine.has_unfinished_requests():
+            step_start = time.perf_counter()
+            engine.step()
+            last = engine.last_step
+            steps.append((last.get("bucket"), last.get("seconds", 0.0),
+                          time.perf_counter() - step_start))
+            shapes.append(last.get("shape"))
+        wall = time.perf_counter() - started
+        decode = [(run, total) for bucket, run, total in steps if bucket[0] <= decode_tokens]
+        median_ms = lambda v: round(float(np.median(v)) * 1e3, 3) if v else None
+        emit("offline", concurrency=concurrency, quantization=args.quantization or "none",
+             output_tok_s=round(concurrency * out_len / wall, 1),
+             wall_s=round(wall, 2), steps=len(steps), decode_steps=len(decode),
+             decode_execute_ms_p50=median_ms([r for r, _ in decode]),
+             decode_host_ms_p50=median_ms([t - r for r, t in decode]),
+             prefill_execute_ms_p50=median_ms([r for b, r, _ in steps if b[0] > decode_tokens]),
+             **utilisation(engine, steps, shapes, decode_tokens))
+        shapes.clear()
+
+
+def utilisation(engine, steps, shapes, decode_tokens):
+    """Median model FLOP/s and bytes/s of the decode and prefill steps (serving/step_cost.py),
+    and MFU / MBU against the device's datasheet peak where the table knows it."""
+    import numpy as np
+
+    from serving.step_cost import CostModel, device_peak
+    model = CostModel.for_engine(engine)
+    peak = device_peak(engine.devices[0].device_kind)
+    out = {"peak": peak.name if peak else None}
+    for kind, chosen in (("decode", lambda t: t <= decode_tokens),
+                         ("prefill", lambda t: t > decode_tokens)):
+        costs = [(model.cost(shape), seconds) for (bucket, seconds, _), shape
+                 in zip(steps, shapes) if shape is not None and seconds > 0
+                 and chosen(bucket[0])]
+        if not costs:
+            continue
+        flops = float(np.median([c.flops / s for c, s in costs]))
+        rate = float(np.median([c.bytes / s for c, s in costs]))
+        out[f"{kind}_tflop_s_p50"] = round(flops / 1e12, 4)
+        out[f"{kind}_gb_s_p50"] = round(rate / 1e9, 3)
+        if peak is not None:
+            devices = len(engine.devices)
+            out[f"{kind}_mfu_p50"] = round(flops / peak.flops(model.param_bytes) / devices, 4)
+            out[f"{kind}_mbu_p50"] = round(rate / peak.memory_bytes_per_s / devices, 4)
+    return out
+
+
+def _weight_bytes(engine) -> int:
+    """Bytes of the model's params on the devices (quantised weights as stored)."""
+    import jax
+    from flax import nnx
+    return sum(x.nbytes for x in jax.tree.leaves(nnx.state(engine.model, nnx.Param)))
+
+
+class Watchdog:
+    """Ends this process when the current stage runs past its time, after saying so."""
+
+    def __init__(self, emit, timeouts):
+        self.emit, self.timeouts, self.timer = emit, timeouts, None
+
+    def arm(self, stage):
+        self.cancel()
+        seconds = self.timeouts[stage]
+
+        def expire():
+            self.emit(stage, error="timeout", timeout_s=seconds)
+            os._exit(124)
+        self.timer = threading.Timer(seconds, expire)
+        self.timer.daemon = True
+        self.timer.start()
+
+    def cancel(self):
+        if self.timer is not None:
+            self.timer.cancel()
+
+
+def _git_head():
+    try:
+        return subprocess.run(["git", "-C", REPO, "rev-parse", "HEAD"], capture_output=True,
+                              text=True, timeout=5).stdout.strip() or None
+    except (OSError, subprocess.SubprocessError):
+        return None
+
+
+RUNNERS = {"env": stage_env, "check": _kernel_stage("check", ["check"]),
+           "attention": _kernel_stage("attention", ["attention"]),
+           "matmul": _kernel_stage("matmul", ["grouped_matmul", "stacked_matmul", "kv_write"]),
+           "engine": stage_engine}
+
+
+# ---- the parent: stages in order, each under its timeout -------------------------------
+def run_stage(stage, args, emit, argv):
+    """Runs one stage in a child process; one line if it times out or fails."""
+    timeout = args.timeouts[stage]
+    if stage == "engine" and "offline" in args.stages:
+        timeout += args.timeouts["offline"]
+    command = [sys.executable, os.path.abspath(__file__), "--child", stage, *argv]
+    env = {**os.environ, "PROBE_STARTED": str(emit.started),
+           "PYTHONPATH": os.pathsep.join(filter(None, [REPO, os.environ.get("PYTHONPATH")]))}
+    try:
+        proc = subprocess.run(command, timeout=timeout + 5, env=env, cwd=REPO,
+                              stderr=subprocess.PIPE, text=True)
+    except subprocess.TimeoutExpired:
+        emit(stage, error="timeout", timeout_s=timeout)
+        return
+    if proc.returncode not in (0, 124):  # 124: its watchdog already said so
+        emit(stage, error=f"exit code {proc.returncode}", stderr_tail=proc.stderr[-3000:])
+
+
+def parse_args(argv):
+    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser.add_argument("--out", required=True, help="folder; results go to probe.jsonl")
+    parser.add_argument("--stages", default=",".join(STAGES))
+    parser.add_argument("--timeout", action="append", default=[],
+                        help="STAGE=SECONDS, repeatable (defaults: %s)" % TIMEOUTS)
+    parser.add_argument("--num-gpu-blocks-override", type=int, default=5200)
+    parser.add_argument("--concurrency", default="1,8,64")
+    parser.add_argument("--quantization", default=None, choices=("fp8", "int8", "awq"),
+                        help="engine and offline stages with quantised weights (dummy, as "
+                             "that format's checkpoint holds them); run once without it "
+                             "and once with it to compare")
+    parser.add_argument("--small", action="store_true")
+    parser.add_argument("--child", choices=[s for s in STAGES if s != "offline"],
+                        help=argparse.SUPPRESS)
+    args = parser.parse_args(argv)
+    args.stages = args.stages.split(",")
+    for stage in args.stages:
+        if stage not in STAGES:
+            parser.error(f"--stages has {stage!r}, expected some of {','.join(STAGES)}")
+    args.timeouts = dict(TIMEOUTS)
+    for item in args.timeout:
+        stage, _, seconds = item.partition("=")
+        if stage not in TIMEOUTS:
+            parser.error(f"--timeout {item!r}: stage must be one of {','.join(STAGES)}")
+        args.timeouts[stage] = float(seconds)
+    args.concurrency = [int(c) for c in args.concurrency.split(",")]
+    return args
+
+
+def main(argv=None):
+    if REPO not in sys.path:  # the packages live in the repo root: nothing is installed
+        sys.path.insert(0, REPO)
+    argv = sys.argv[1:] if argv is None else argv
+    args = parse_args(argv)
+    os.makedirs(args.out, exist_ok=True)
+    started = float(os.environ.get("PROBE_STARTED", time.time()))
+    emit = JsonLines(os.path.join(args.out, "probe.jsonl"), started)
+    if args.child:
+        watchdog = Watchdog(emit, args.timeouts)
+        watchdog.arm(args.child)
+        RUNNERS[args.child](emit, args, watchdog.arm)
+        watchdog.cancel()
+        return 0
+    child_argv = [a for a in argv if a != "--child"]
+    for stage in args.stages:
+        if stage == "offline" and "engine" in args.stages:
+            continue  # runs inside the engine's process
+        run_stage("engine" if stage == "offline" else stage, args, emit, child_argv)
+    emit("done")
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())

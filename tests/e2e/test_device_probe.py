@@ -1,0 +1,73 @@
+"""benchmarks/device_probe.py dry run (--small: the tiny model on the CPU, kernels
+interpreted): every stage leaves its figures as JSON lines, in order, and a stage past its
+timeout leaves one line saying so while the next stage still runs."""
+
+import json
+import os
+import pathlib
+import subprocess
+import sys
+
+PROBE = pathlib.Path(__file__).parents[2] / "benchmarks" / "device_probe.py"
+STAGES = ["env", "check", "attention", "matmul", "engine", "offline", "done"]
+
+
+def run_probe(out, *args):
+    env = {**os.environ, "JAX_PLATFORMS": "cpu", "XLA_FLAGS": ""}
+    env.pop("PYTHONPATH", None)  # the probe needs no install and no PYTHONPATH
+    proc = subprocess.run([sys.executable, str(PROBE), "--small", "--out", str(out), *args],
+                          env=env, capture_output=True, text=True, timeout=900)
+    assert proc.returncode == 0, proc.stderr[-3000:]
+    lines = (out / "probe.jsonl").read_text().splitlines()
+    assert proc.stdout.splitlines() == lines  # printed as written
+    return [json.loads(line) for line in lines]
+
+
+def test_dry_run_reports_every_stage_in_order(tmp_path):
+    rows = run_probe(tmp_path)
+    stages = [r["stage"] for r in rows]
+    assert list(dict.fromkeys(stages)) == STAGES
+    assert stages == sorted(stages, key=STAGES.index), "stages ran out of order"
+    assert [r["t"] for r in rows] == sorted(r["t"] for r in rows)
+    assert not [r for r in rows if "error" in r]
+    by = lambda stage: [r for r in rows if r["stage"] == stage]
+    assert by("env")[0]["backend"] == "cpu" and by("env")[0]["cuda_lowering"] == "ok"
+    checks = by("check")
+    assert len(checks) == 5 and all(c["ok"] for c in checks)
+    assert {r["name"] for r in by("attention")} == {"decode_s1_ctx64", "decode_s4_ctx64",
+                                                    "prefill_32"}
+    assert {r["part"] for r in by("matmul")} == {"grouped_matmul", "stacked_matmul", "kv_write"}
+    engine = by("engine")
+    assert engine[0]["load_s"] >= 0 and len(engine[0]["buckets"]) == 4
+    compiled = [r for r in engine if "bucket" in r]
+    assert sorted(map(tuple, (r["bucket"] for r in compiled))) == [(8, 4), (8, 8), (64, 4), (64, 8)]
+    assert all(r["compile_s"] > 0 and r["ops"]["fusions"] > 0 for r in compiled)
+    offline = by("offline")
+    assert [r["concurrency"] for r in offline] == [1, 8]
+    assert all(r["output_tok_s"] > 0 and r["decode_steps"] > 0 for r in offline)
+    # Step FLOP/s and bytes/s from the step shapes; a CPU has no peak, so no MFU / MBU.
+    assert all(r["decode_gb_s_p50"] > 0 and r["prefill_tflop_s_p50"] > 0 for r in offline)
+    assert all(r["peak"] is None and "decode_mbu_p50" not in r for r in offline)
+
+
+def test_a_stage_past_its_timeout_leaves_one_line_and_the_next_stage_runs(tmp_path):
+    rows = run_probe(tmp_path, "--stages", "env,check,attention", "--timeout", "check=0.5")
+    assert [r for r in rows if r["stage"] == "check"] == [
+        {"stage": "check", "error": "timeout", "timeout_s": 0.5, "t": rows[1]["t"]}]
+    assert len([r for r in rows if r["stage"] == "attention"]) == 3
+    assert rows[-1]["stage"] == "done"
+
+
+def test_dry_run_with_quantised_weights_and_formats_of_the_grouped_matmul(tmp_path):
+    rows = run_probe(tmp_path, "--stages", "matmul,engine,offline", "--quantization", "fp8",
+                     "--concurrency", "1")
+    assert not [r for r in rows if "error" in r]
+    grouped = [r for r in rows if r.get("part") == "grouped_matmul" and r["impl"] == "pallas"]
+    decode = {r["format"] for r in grouped if "decode" in r["name"]}
+    assert decode == {"bf16", "fp8", "int4"}
+    for row in grouped:
+        if row["format"] != "bf16":
+            assert row["rel_err"] < 2e-2 and row["vs_bf16"] > 0
+    engine = [r for r in rows if r["stage"] == "engine"][0]
+    assert engine["quantization"] == "fp8" and engine["weight_gb"] > 0
+    assert [r["quantization"] for r in rows if r["stage"] == "offline"] == ["fp8"]

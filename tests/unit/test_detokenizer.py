@@ -1,0 +1,139 @@
+"""Streaming detokenization and stop strings, on the real Qwen3 tokenizer files."""
+
+import random
+
+import pytest
+
+from serving.detokenizer import IncrementalDetokenizer
+from tests.helpers.text import random_text
+
+IM_END = 151645
+
+def stream(detok, ids, rng=None):
+    """Feeds ids in random-size chunks; returns the deltas, flush last."""
+    deltas, i = [], 0
+    while i < len(ids):
+        n = rng.randint(1, 4) if rng else 1
+        deltas.append(detok.add(ids[i:i + n]))
+        i += n
+    deltas.append(detok.flush())
+    return deltas
+
+
+# --- incremental detokenization ------------------------------------------------------------
+
+def test_fixture_text_splits_characters_across_tokens(tok):
+    ids = tok.encode(" 🤖")
+    assert len(ids) > 1 and any("\ufffd" in tok.decode([i]) for i in ids)
+
+
+@pytest.mark.parametrize("seed", range(5))
+def test_incremental_equals_full_decode_for_mixed_text(tok, seed):
+    rng = random.Random(seed)
+    prompt = tok.encode("Prompt: 日本 🤖")
+    ids = tok.encode(random_text(rng))
+    detok = IncrementalDetokenizer(tok, prompt)
+    deltas = stream(detok, ids, rng)
+    assert "".join(deltas) == detok.text == tok.decode(ids)
+    assert not any("\ufffd" in d for d in deltas)
+
+
+@pytest.mark.parametrize("seed", range(3))
+def test_incremental_equals_full_decode_for_random_ids(tok, seed):
+    rng = random.Random(seed)
+    ids = [rng.randrange(tok.vocab_size) for _ in range(300)]
+    ids += [rng.randrange(124, 256) for _ in range(100)]  # byte tokens: many partial characters
+    rng.shuffle(ids)
+    for skip_special_tokens in (True, False):
+        detok = IncrementalDetokenizer(tok, [], skip_special_tokens=skip_special_tokens)
+        deltas = stream(detok, ids, rng)
+        assert "".join(deltas) == tok.decode(ids, skip_special_tokens=skip_special_tokens)
+
+
+def test_incomplete_character_is_held_until_complete(tok):
+    robot = tok.encode("🤖")
+    detok = IncrementalDetokenizer(tok, [])
+    assert [detok.add([i]) for i in robot] == [""] * (len(robot) - 1) + ["🤖"]
+
+
+def test_special_tokens_kept_when_not_skipped(tok):
+    ids = tok.encode("answer<|im_end|>")
+    assert "".join(stream(IncrementalDetokenizer(tok, []), ids)) == "answer"
+    kept = IncrementalDetokenizer(tok, [], skip_special_tokens=False)
+    assert "".join(stream(kept, ids)) == "answer<|im_end|>"
+
+
+# --- stop strings --------------------------------------------------------------------------
+
+def check_stream_is_prefix_of_final(detok, ids):
+    """Streams one token at a time; every emitted prefix must survive in the final text."""
+    emitted = ""
+    for i in ids:
+        emitted += detok.add([i])
+        assert detok.text.startswith(emitted)
+    emitted += detok.flush()
+    assert emitted == detok.text
+    return emitted
+
+
+@pytest.mark.parametrize("text, stop, expected", [
+    ("The answer is 42. Observation: done", "Observation:", "The answer is 42. "),
+    ("今天天气很好，我们去公园散步吧", "很好，我们", "今天天气"),
+    ("robots 🤖🎉 party", "🤖🎉", "robots "),
+    ("a\n\nUser: hi", "\n\nUser:", "a"),
+])
+def test_stop_string_across_tokens_is_cut_and_never_leaked(tok, text, stop, expected):
+    ids = tok.encode(text)
+    assert not any(stop in tok.decode([i]) for i in ids)  # the stop spans token boundaries
+    detok = IncrementalDetokenizer(tok, [], stop=[stop])
+    emitted = check_stream_is_prefix_of_final(detok, ids)
+    assert emitted == detok.text == expected
+    assert detok.finished_by_stop and detok.stop_reason == stop
+
+
+def test_include_stop_str_in_output(tok):
+    ids = tok.encode("The answer is 42. Observation: done")
+    detok = IncrementalDetokenizer(tok, [], stop=["Observation:"], include_stop_str_in_output=True)
+    emitted = check_stream_is_prefix_of_final(detok, ids)
+    assert emitted == detok.text == "The answer is 42. Observation:"
+    assert detok.stop_reason == "Observation:"
+
+
+def test_earliest_stop_wins_and_later_tokens_are_ignored(tok):
+    detok = IncrementalDetokenizer(tok, [], stop=["world", "lo"])
+    assert detok.add(tok.encode("hello world and more")) == "hel"
+    assert detok.stop_reason == "lo"
+    assert detok.add(tok.encode(" extra")) == "" and detok.text == "hel"
+    assert detok.flush() == ""
+
+
+def test_possible_stop_prefix_is_held_then_released(tok):
+    detok = IncrementalDetokenizer(tok, [], stop=["STOP"])
+    emitted = detok.add(tok.encode("go ST"))
+    assert emitted == "go " and detok.text == "go ST"
+    emitted += detok.add(tok.encode("AY here"))
+    assert emitted == "go STAY here" and not detok.finished_by_stop
+    emitted += detok.add(tok.encode(" S"))
+    assert emitted == "go STAY here "
+    assert detok.flush() == "S" and not detok.finished_by_stop
+
+
+def test_stop_string_completed_by_special_token_when_not_skipped(tok):
+    ids = tok.encode("done<|im_end|>trailing")
+    detok = IncrementalDetokenizer(tok, [], skip_special_tokens=False, stop=["<|im_end|>"])
+    assert check_stream_is_prefix_of_final(detok, ids) == "done"
+    assert detok.stop_reason == "<|im_end|>"
+
+
+@pytest.mark.parametrize("seed", range(3))
+def test_random_streams_with_stops_match_cut_full_decode(tok, seed):
+    rng = random.Random(seed)
+    ids = tok.encode(random_text(rng, 60))
+    full = tok.decode(ids)
+    stops = [" 日本語の", "世界 🤖", "é Ε", "xyz-never"]
+    detok = IncrementalDetokenizer(tok, [], stop=stops)
+    emitted = "".join(stream(detok, ids, rng))
+    hits = [(full.find(s), s) for s in stops if s in full]
+    index, stop = min(hits) if hits else (len(full), None)
+    assert emitted == detok.text == full[:index]
+    assert detok.stop_reason == stop

@@ -1,0 +1,124 @@
+"""Layers point one way: pallas_kernels <- qwen_jax (the model) <- serving (the engine),
+and no two modules import each other, however indirectly (a lazy import inside a function
+counts too).
+
+The `qwen_jax` package's public names include the engine's (`from qwen_jax import LLM`);
+`qwen_jax/__init__.py` resolves them by name on first use, never by an import statement,
+so importing any module of the model leaves the engine unloaded.
+"""
+
+import ast
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+
+ROOT = Path(__file__).resolve().parents[2]
+LAYERS = ("pallas_kernels", "qwen_jax", "serving")  # each may import only those before it
+
+
+def imported_modules(path: Path) -> set[str]:
+    """Every module an import statement in the file names, at any depth (functions too)."""
+    names = set()
+    for node in ast.walk(ast.parse(path.read_text(), str(path))):
+        if isinstance(node, ast.Import):
+            names.update(alias.name for alias in node.names)
+        elif isinstance(node, ast.ImportFrom) and node.level == 0 and node.module:
+            names.add(node.module)
+            names.update(f"{node.module}.{alias.name}" for alias in node.names)
+    return names
+
+
+@pytest.mark.parametrize("layer", LAYERS[:-1])
+def test_no_module_imports_a_layer_above_its_own(layer):
+    above = LAYERS[LAYERS.index(layer) + 1:]
+    offending = {
+        str(path.relative_to(ROOT)): sorted(m for m in imported_modules(path)
+                                            if m.split(".")[0] in above)
+        for path in sorted((ROOT / layer).rglob("*.py"))}
+    assert {path: mods for path, mods in offending.items() if mods} == {}
+
+
+def test_importing_every_model_module_loads_no_engine_module():
+    code = """
+import importlib, pkgutil, sys
+import qwen_jax
+for info in pkgutil.walk_packages(qwen_jax.__path__, "qwen_jax."):
+    importlib.import_module(info.name)
+print(sorted(m for m in sys.modules if m.split(".")[0] == "serving"))
+"""
+    result = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True,
+                            check=True, cwd=ROOT)
+    assert result.stdout.strip() == "[]"
+
+
+def test_the_public_names_still_include_the_engine():
+    import qwen_jax
+    from serving.llm import LLM
+    from serving.request import SamplingParams
+    assert qwen_jax.LLM is LLM and qwen_jax.SamplingParams is SamplingParams
+    assert {"LLM", "AsyncLLM", "SamplingParams", "Qwen3ForCausalLM"} <= set(qwen_jax.__all__)
+
+
+def project_modules() -> dict[str, Path]:
+    modules = {}
+    for layer in LAYERS:
+        for path in (ROOT / layer).rglob("*.py"):
+            parts = path.relative_to(ROOT).with_suffix("").parts
+            modules[".".join(parts[:-1] if parts[-1] == "__init__" else parts)] = path
+    return modules
+
+
+def import_cycle(graph: dict[str, set[str]]) -> list[str] | None:
+    """One cycle of the directed graph as a list of modules, or None."""
+    state: dict[str, str] = {}  # "open" while on the DFS stack, then "done"
+
+    def visit(node: str, stack: list[str]) -> list[str] | None:
+        state[node] = "open"
+        for dep in sorted(graph[node]):
+            if state.get(dep) == "open":
+                return stack[stack.index(dep):] + [dep]
+            if dep not in state and (cycle := visit(dep, stack + [dep])):
+                return cycle
+        state[node] = "done"
+        return None
+
+    for node in sorted(graph):
+        if node not in state and (cycle := visit(node, [node])):
+            return cycle
+    return None
+
+
+def test_project_modules_import_each_other_without_cycles():
+    modules = project_modules()
+    # A package's own submodules may import it (its __init__ runs first anyway).
+    graph = {name: {m for m in imported_modules(path) if m in modules
+                    and not name.startswith(m + ".") and m != name}
+             for name, path in modules.items()}
+    assert import_cycle(graph) is None
+
+
+def test_the_cycle_finder_finds_cycles():
+    assert import_cycle({"a": {"b"}, "b": {"c"}, "c": {"a"}}) == ["a", "b", "c", "a"]
+    assert import_cycle({"a": {"b"}, "b": set(), "c": {"a", "b"}}) is None
+
+
+def test_imports_inside_functions_are_seen(tmp_path):
+    module = tmp_path / "m.py"
+    module.write_text("import os\n\ndef f():\n    from qwen_jax.weights import load_model\n")
+    assert imported_modules(module) == {"os", "qwen_jax.weights", "qwen_jax.weights.load_model"}
+
+
+def test_the_engine_imports_without_jaxtyping():
+    # The GPU image runs the checkout with only jax/flax/orbax/aiohttp/tokenizers and a
+    # few more installed: shape annotations must not need jaxtyping at import time.
+    code = ("import sys; sys.modules['jaxtyping'] = None\n"
+            "import serving.engine, serving.runner, qwen_jax.model, pallas_kernels\n"
+            "from pallas_kernels.array_types import Float\n"
+            "assert Float[int, 'T D'] is int\n"
+            "print('ok')")
+    result = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True,
+                            cwd=ROOT, timeout=120)
+    assert result.returncode == 0, result.stderr
+    assert result.stdout.strip() == "ok"
