@@ -44,6 +44,14 @@ class ModelInputs:
         return self.padded_num_tokens, self.padded_num_seqs
 
 
+def step_bucket(scheduler_output: SchedulerOutput, token_buckets: Sequence[int],
+                seq_buckets: Sequence[int]) -> tuple[int, int]:
+    """(T, S): the padded shape, so the compiled step, of a scheduled batch."""
+    scheduled = scheduler_output.scheduled
+    T = pick_bucket(sum(s.num_new_tokens for s in scheduled), token_buckets)
+    return T, pick_seq_bucket(T, len(scheduled), seq_buckets)
+
+
 def build_model_inputs(scheduler_output: SchedulerOutput, token_buckets: Sequence[int],
                        seq_buckets: Sequence[int], page_size: int,
                        pages_per_seq: int) -> ModelInputs:
@@ -52,8 +60,7 @@ def build_model_inputs(scheduler_output: SchedulerOutput, token_buckets: Sequenc
     num_new = np.fromiter((s.num_new_tokens for s in scheduled), np.int32, num_seqs)
     starts = np.fromiter((s.start for s in scheduled), np.int32, num_seqs)
     num_tokens = int(num_new.sum())
-    T = pick_bucket(num_tokens, token_buckets)
-    S = pick_seq_bucket(T, num_seqs, seq_buckets)
+    T, S = step_bucket(scheduler_output, token_buckets, seq_buckets)
 
     query_start = np.full(S + 1, num_tokens, np.int32)
     query_start[0] = 0

@@ -18,8 +18,8 @@ from qwen_jax.sharding import make_mesh, tp_size
 from qwen_jax.tokenizer import Tokenizer
 from qwen_jax.weights import DEFAULT_MODEL_DIR, resolve_model_path
 from serving import distributed, kv_cache
-from serving.batch import build_model_inputs
-from serving.buckets import bucket_pairs, pick_bucket
+from serving.batch import build_model_inputs, step_bucket
+from serving.buckets import bucket_pairs
 from serving.detokenizer import IncrementalDetokenizer
 from serving.engine_config import EngineConfig
 from serving.generation_config import sampling_defaults
@@ -278,11 +278,10 @@ class LLMEngine:
         self._copy_swapped_pages(out)
         if out.is_empty:
             return []
-        masks = self._masks.submit(self._constrained_rows(out), pick_bucket(
-            out.num_seqs, self.scheduler_config.seq_bucket_sizes))  # filled meanwhile
-        batch = build_model_inputs(out, self.scheduler_config.token_bucket_sizes,
-                                   self.scheduler_config.seq_bucket_sizes, self.page_size,
-                                   self.pages_per_seq)
+        buckets = self.scheduler_config.token_bucket_sizes, self.scheduler_config.seq_bucket_sizes
+        masks = self._masks.submit(self._constrained_rows(out),  # filled meanwhile
+                                   step_bucket(out, *buckets)[1])
+        batch = build_model_inputs(out, *buckets, self.page_size, self.pages_per_seq)
         sampling = build_sampling_arrays(
             [self._sampling_entry(s.request) for s in out.scheduled], batch.padded_num_seqs,
             self.max_model_len, self.model_config.vocab_size,
