@@ -187,8 +187,11 @@ def reply_format(req, reasoning_parser, auto_parser, tag_ids: dict) -> ReplyForm
     if tools.constrained:
         names = (tools.choice,) if tools.named else names
         chosen = [t for t in tools.tools if t["function"]["name"] in names]
+        # A think block may come first whether or not the reasoning parser is on: Qwen3
+        # writes its calls after one, and a call forced at the first token puts the model
+        # out of distribution (the tiny model then writes wrong arguments).
         req.structured = StructuredOutputsParams(
-            grammar=calls_grammar(chosen, not single, tag_ids))
+            grammar=calls_grammar(chosen, not single, tag_ids), reasoning=True)
         req.structured_field, parser = "tools", HermesToolParser
     elif tools.choice == "auto" and tools.tools:
         if auto_parser is None:

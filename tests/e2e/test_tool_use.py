@@ -17,23 +17,37 @@ ASK = [{"role": "user", "content": "Use the tool to add 385 and 47."}]
 CALL = '{"a": 385, "b": 47}'
 
 
+# One engine shape for the server's engine and the offline LLM: the second one's steps
+# come from the persistent compilation cache the first one filled.
+ENGINE = dict(max_num_seqs=4, max_num_batched_tokens=128, max_model_len=512,
+              token_buckets=[8, 128], seq_buckets=[4], show_progress=False)
+
+
 @pytest.fixture(scope="module")
-def tool_llm(tmp_path_factory):
+def xla_cache(tmp_path_factory):
+    return str(tmp_path_factory.mktemp("xla-cache"))
+
+
+@pytest.fixture(scope="module")
+def tool_llm(xla_cache):
     from qwen_jax.weights import DEFAULT_MODEL_DIR
     from serving.async_llm import AsyncLLM
-    llm = AsyncLLM(str(DEFAULT_MODEL_DIR), compilation_cache_dir=str(
-        tmp_path_factory.mktemp("xla-cache")), max_num_seqs=4, max_num_batched_tokens=128,
-        max_model_len=512, token_buckets=[8, 128], seq_buckets=[4], show_progress=False)
+    llm = AsyncLLM(str(DEFAULT_MODEL_DIR), compilation_cache_dir=xla_cache, **ENGINE)
     yield llm
     llm.shutdown()
 
 
 @pytest.fixture(scope="module", params=[None, "qwen3"], ids=["plain", "reasoning"])
-def client(tool_llm, request):
-    srv = ServerThread(tool_llm, tool_call_parser="hermes", enable_auto_tool_choice=True,
-                       reasoning_parser=request.param).start()
-    yield openai.AsyncOpenAI(base_url=srv.url + "/v1", api_key="unused", max_retries=0)
+def tool_server(tool_llm, request):
+    srv = ServerThread(tool_llm, served_model_name="tiny-qwen3-moe", tool_call_parser="hermes",
+                       enable_auto_tool_choice=True, reasoning_parser=request.param).start()
+    yield srv
     srv.stop()
+
+
+@pytest.fixture
+def client(tool_server):  # per test: its connections belong to that test's event loop
+    return openai.AsyncOpenAI(base_url=tool_server.url + "/v1", api_key="unused", max_retries=0)
 
 
 def run_tool(call) -> str:
@@ -81,10 +95,10 @@ async def test_tool_choice_none_leaves_the_call_as_text(client):
     assert not message.tool_calls and '"arguments": ' + CALL in message.content
 
 
-def test_offline_chat_renders_tools_and_is_constrained_by_their_grammar():
+def test_offline_chat_renders_tools_and_is_constrained_by_their_grammar(xla_cache):
     from qwen_jax import LLM, SamplingParams
     from serving.tool_parsers import calls_grammar
-    llm = LLM(precompile=False, show_progress=False, max_model_len=512)
+    llm = LLM(compilation_cache_dir=xla_cache, **ENGINE)
     greedy = SamplingParams(temperature=0, max_tokens=64)
     (free,) = llm.chat(ASK, greedy, tools=[ADD_TOOL])
     assert free.outputs[0].text.endswith(
