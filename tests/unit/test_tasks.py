@@ -76,21 +76,3 @@ def test_tool_problems_call_add_then_answer_from_the_result():
         assert parse_call(call) == {"a": a, "b": b}
         assert m2[-1] == {"role": "tool", "tool_call_id": "call_0", "content": str(a + b)}
         assert answer.endswith(f"{a} + {b} = {a + b}")
-
-
-def test_tool_eval_scores_the_whole_loop():
-    from qwen_jax import tool_task
-    problems = [tool_task.ToolProblem("tool", 3, 4), tool_task.ToolProblem("tool", 10, 20)]
-    replies = {  # what a fake model writes for each prompt's last user message
-        "Use the tool to add 3 and 4.": problems[0].call_text,
-        "Use the tool to add 10 and 20.": problems[1].call_text.replace("20", "21"),
-        "<tool_response>\n7\n</tool_response>": "<think>\n\n</think>\n\n3 + 4 = 7"}
-
-    def generate(prompts, max_tokens):
-        assert max_tokens == tool_task.MAX_TOOL_TOKENS
-        return [next(v for k, v in replies.items() if k in p.rsplit("<|im_start|>", 2)[-2])
-                for p in prompts]
-    from serving.eval_tasks import TINY_MODEL, chat_template, evaluate_tool, parse_call
-    assert evaluate_tool(problems, chat_template(TINY_MODEL), generate) == [True, False]
-    assert parse_call("<tool_call>\n{broken}\n</tool_call>") is None
-    assert parse_call("text first " + problems[0].call_text) is None
