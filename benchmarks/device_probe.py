@@ -50,13 +50,17 @@ class JsonLines:
 
     def __init__(self, path, started):
         self.path, self.started = path, started
+        # Buckets report as they compile, from the compile threads: one line at a time,
+        # or print's text and newline interleave on stdout.
+        self._lock = threading.Lock()
 
     def __call__(self, stage, **row):
-        line = json.dumps({"stage": stage, **row, "t": round(time.time() - self.started, 1)},
-                          default=str)
-        print(line, flush=True)
-        with open(self.path, "a") as f:
-            f.write(line + "\n")
+        with self._lock:
+            line = json.dumps({"stage": stage, **row,
+                               "t": round(time.time() - self.started, 1)}, default=str)
+            print(line, flush=True)
+            with open(self.path, "a") as f:
+                f.write(line + "\n")
 
 
 # ---- stages (each runs in a child process) ----------------------------------------------
