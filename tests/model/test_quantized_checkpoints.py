@@ -5,12 +5,15 @@ here), loaded quantised, and close to the float model.
 
 Closeness is measured on the tiny model's chat prompts (two per task): the mean KL
 divergence of the next-token distributions and how often the most likely token is the
-float model's. Bounds are about 4x what was measured (`docs/benchmarks.md`,
-"Quantised weights"): int8 (per-channel, 0.4% of a column's max per weight) KL <= 0.002;
-fp8 (3 mantissa bits: up to 6% of each weight) KL <= 0.003; AWQ int4 (16 levels per
-group of 32: up to 3% of the group's range, round-to-nearest without AWQ's search)
-KL <= 0.05. The largest single-logit error is not bounded: a tiny perturbation can flip
-a near-tied router choice and move one position's logits a lot.
+float model's. Bounds are about 2x what was measured on the shipped model
+(`docs/benchmarks.md`, "Quantised weights"): int8 (per-channel, 0.4% of a column's max per
+weight) KL 0.013 -> <= 0.03; fp8 (3 mantissa bits: up to 6% of each weight) KL 0.025 ->
+<= 0.05; AWQ int4 (16 levels per group of 32: up to 3% of the group's range,
+round-to-nearest without AWQ's search) KL 0.068 -> <= 0.15. The model trained with the
+tool task is near-certain at most positions, so the same weight error moves its KL ~25x
+more than the first tiny model's (int8 was 0.0005); its task accuracy per format stays
+>= 0.98 (the same page). The largest single-logit error is not bounded: a tiny
+perturbation can flip a near-tied router choice and move one position's logits a lot.
 """
 
 from __future__ import annotations
@@ -29,8 +32,8 @@ from qwen_jax.config import ModelConfig
 from scripts.quantize_checkpoint import quantise
 from serving.eval_tasks import TINY_MODEL, chat_template, render_prompts
 
-KL_BOUND = {"int8": 0.002, "fp8": 0.003, "awq": 0.05}
-TOP1_BOUND = {"int8": 0.99, "fp8": 0.99, "awq": 0.97}
+KL_BOUND = {"int8": 0.03, "fp8": 0.05, "awq": 0.15}
+TOP1_BOUND = {"int8": 0.97, "fp8": 0.95, "awq": 0.9}
 
 
 @pytest.fixture(scope="module")
