@@ -27,22 +27,9 @@ import jax.numpy as jnp  # noqa: E402
 import numpy as np  # noqa: E402
 from flax import nnx  # noqa: E402
 
-from qwen_jax import Qwen3ForCausalLM, tasks  # noqa: E402
+from qwen_jax import Qwen3ForCausalLM  # noqa: E402
 from scripts.quantize_checkpoint import quantise  # noqa: E402
-from serving.eval_tasks import TINY_MODEL, chat_template, render_prompts  # noqa: E402
-
-
-def prompt_batch(per_task: int):
-    """Right-padded token ids [B, T] of the tasks' chat prompts and the mask of real ones."""
-    from tokenizers import Tokenizer
-    tokenizer = Tokenizer.from_file(str(TINY_MODEL / "tokenizer.json"))
-    problems = [p for t in tasks.TASKS for p in tasks.problems(t, per_task, seed=11)]
-    ids = [tokenizer.encode(t).ids for t in render_prompts(problems, chat_template(TINY_MODEL))]
-    batch = np.zeros((len(ids), max(map(len, ids))), np.int32)
-    mask = np.zeros(batch.shape, bool)
-    for i, row in enumerate(ids):
-        batch[i, :len(row)], mask[i, :len(row)] = row, True
-    return batch, mask
+from serving.eval_tasks import TINY_MODEL, prompt_batch  # noqa: E402
 
 
 def closeness(model, batch, mask, reference) -> dict:

@@ -206,7 +206,7 @@ def _add_chat_args(p) -> None:
 
 def _run_serve(args) -> int:
     from serving.cli_args import engine_kwargs
-    from serving.server import run
+    from serving.serve_process import run
     return run(args, engine_kwargs(args))
 
 

@@ -49,6 +49,21 @@ def render_prompts(problems: Sequence[tasks.AnyProblem], template: str) -> list[
     return [compiled.render(messages=p.messages, add_generation_prompt=True) for p in problems]
 
 
+def prompt_batch(per_task: int, seed: int = 11, model_path: str | Path = DEFAULT_MODEL_DIR):
+    """Right-padded token ids [B, T] (numpy int32) of `per_task` chat prompts of each of the
+    tasks, and the mask of real ones: a fixed batch for comparing logits of two models."""
+    import numpy as np
+    from tokenizers import Tokenizer
+    tokenizer = Tokenizer.from_file(str(Path(model_path) / "tokenizer.json"))
+    problems = [p for t in tasks.TASKS for p in tasks.problems(t, per_task, seed=seed)]
+    ids = [tokenizer.encode(t).ids for t in render_prompts(problems, chat_template(model_path))]
+    batch = np.zeros((len(ids), max(map(len, ids))), np.int32)
+    mask = np.zeros(batch.shape, bool)
+    for i, row in enumerate(ids):
+        batch[i, :len(row)], mask[i, :len(row)] = row, True
+    return batch, mask
+
+
 def final_answer(text: str) -> str:
     """The reply after the think block, split as the server's `--reasoning-parser qwen3`
     splits it ("" when the reply was cut off inside the think block)."""

@@ -27,10 +27,10 @@ import numpy as np
 import pytest
 from flax import nnx
 
-from qwen_jax import Qwen3ForCausalLM, tasks
+from qwen_jax import Qwen3ForCausalLM
 from qwen_jax.config import ModelConfig
 from scripts.quantize_checkpoint import quantise
-from serving.eval_tasks import TINY_MODEL, chat_template, render_prompts
+from serving.eval_tasks import TINY_MODEL, prompt_batch
 
 KL_BOUND = {"int8": 0.03, "fp8": 0.05, "awq": 0.15}
 TOP1_BOUND = {"int8": 0.97, "fp8": 0.95, "awq": 0.9}
@@ -50,15 +50,7 @@ def checkpoints(tmp_path_factory):
 
 @pytest.fixture(scope="module")
 def prompts():
-    from tokenizers import Tokenizer
-    tokenizer = Tokenizer.from_file(str(TINY_MODEL / "tokenizer.json"))
-    problems = [p for t in tasks.TASKS for p in tasks.problems(t, 2, seed=11)]
-    ids = [tokenizer.encode(t).ids for t in render_prompts(problems, chat_template(TINY_MODEL))]
-    batch = np.zeros((len(ids), max(map(len, ids))), np.int32)
-    mask = np.zeros(batch.shape, bool)
-    for i, row in enumerate(ids):
-        batch[i, :len(row)], mask[i, :len(row)] = row, True
-    return batch, mask
+    return prompt_batch(2)
 
 
 @pytest.fixture(scope="module")

@@ -117,7 +117,7 @@ def _post_when_up(url: str, body: dict, results: dict) -> None:
 
 def test_serve_answers_in_flight_requests_then_exits_1(victim_llm):
     from serving.config import ServerConfig
-    from serving.server import serve
+    from serving.serve_process import serve
     fail_device_step(victim_llm.engine)
     port = _free_port()
     results: dict = {}

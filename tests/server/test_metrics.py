@@ -15,6 +15,7 @@ import pytest
 from serving.metrics import Metrics
 from serving.nvml import NvmlCollector, load_nvml
 from serving.step_cost import CostModel, DevicePeak, StepShape
+from tests.helpers.prometheus import parse_values
 from tests.server.conftest import ServerThread, wait_idle
 
 DASHBOARD = Path(__file__).parents[2] / "docs" / "grafana" / "qwen-jax-dashboard.json"
@@ -25,12 +26,7 @@ async def scrape(url: str) -> dict[str, float]:
     async with aiohttp.ClientSession() as s:
         async with s.get(url + "/metrics") as r:
             text = await r.text()
-    values = {}
-    for line in text.splitlines():
-        if line and not line.startswith("#"):
-            name, value = line.rsplit(" ", 1)
-            values[name] = float(value)
-    return values
+    return parse_values(text)
 
 
 async def complete(url: str, body: dict) -> dict:

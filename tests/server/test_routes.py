@@ -9,6 +9,7 @@ import json
 import aiohttp
 import pytest
 
+from tests.helpers.prometheus import parse_values
 from tests.server.conftest import wait_idle
 
 GREEDY = {"temperature": 0, "ignore_eos": True}
@@ -219,11 +220,7 @@ async def test_metrics_count_requests_and_tokens(server):
         async with s.get(server.url + "/metrics") as r:
             text = await r.text()
     assert r.status == 200
-    values = {}
-    for line in text.splitlines():
-        if line and not line.startswith("#"):
-            name, value = line.rsplit(" ", 1)
-            values[name] = float(value)
+    values = parse_values(text)
     label = '{model_name="tiny"}'
     for name in ("num_requests_running", "num_requests_waiting", "kv_cache_usage_perc"):
         assert values[f"qwen_jax:{name}{label}"] == 0

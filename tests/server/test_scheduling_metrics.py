@@ -8,15 +8,7 @@ from serving.cli import build_parser
 from serving.cli_args import engine_kwargs
 from serving.llm import engine_config_from_kwargs
 from serving.metrics import Metrics
-
-
-def parse_values(text: str) -> dict[str, float]:
-    values = {}
-    for line in text.splitlines():
-        if line and not line.startswith("#"):
-            name, value = line.rsplit(" ", 1)
-            values[name] = float(value)
-    return values
+from tests.helpers.prometheus import parse_values
 
 
 def test_serve_accepts_the_scheduling_options():
