@@ -9,7 +9,7 @@ from __future__ import annotations
 
 import dataclasses
 import itertools
-from collections.abc import Sequence
+from collections.abc import Mapping, Sequence
 
 import numpy as np
 
@@ -30,6 +30,9 @@ class ModelInputs:
     logits_index: np.ndarray  # int32[S]: flat index of each sequence's last token
     num_seqs: np.ndarray  # int32[] real sequences
     num_tokens: int  # real tokens (host-side only)
+    # int32[T]: for a token the previous step sampled and the host has not read yet, that
+    # step's row (the device fills it in); -1 elsewhere
+    prev_index: np.ndarray
 
     @property
     def padded_num_tokens(self) -> int:
@@ -54,7 +57,10 @@ def step_bucket(scheduler_output: SchedulerOutput, token_buckets: Sequence[int],
 
 def build_model_inputs(scheduler_output: SchedulerOutput, token_buckets: Sequence[int],
                        seq_buckets: Sequence[int], page_size: int,
-                       pages_per_seq: int) -> ModelInputs:
+                       pages_per_seq: int, prev_rows: Mapping[str, int] | None = None
+                       ) -> ModelInputs:
+    """prev_rows: request id -> its row in the step before, for requests whose last token
+    that step sampled is still on the device (Request.num_pending_tokens)."""
     scheduled = scheduler_output.scheduled
     num_seqs = len(scheduled)
     num_new = np.fromiter((s.num_new_tokens for s in scheduled), np.int32, num_seqs)
@@ -81,14 +87,36 @@ def build_model_inputs(scheduler_output: SchedulerOutput, token_buckets: Sequenc
     slot_mapping[:num_tokens] = pages * page_size + positions[:num_tokens] % page_size
 
     token_ids = np.zeros(T, np.int32)
-    token_ids[:num_tokens] = np.fromiter(
-        itertools.chain.from_iterable(
-            s.request.tokens(s.start, s.start + s.num_new_tokens) for s in scheduled),
-        np.int32, num_tokens)
+    prev_index = np.full(T, -1, np.int32)
+    if any(s.request.num_pending_tokens for s in scheduled):
+        token_ids[:num_tokens] = _tokens_with_pending(scheduled, logits_index, prev_index,
+                                                      prev_rows or {})
+    else:
+        token_ids[:num_tokens] = np.fromiter(
+            itertools.chain.from_iterable(
+                s.request.tokens(s.start, s.start + s.num_new_tokens) for s in scheduled),
+            np.int32, num_tokens)
     return ModelInputs(token_ids=token_ids, positions=positions, slot_mapping=slot_mapping,
                        query_start=query_start, kv_lens=kv_lens, page_table=page_table,
                        logits_index=logits_index, num_seqs=np.array(num_seqs, np.int32),
-                       num_tokens=num_tokens)
+                       num_tokens=num_tokens, prev_index=prev_index)
+
+
+def _tokens_with_pending(scheduled, logits_index, prev_index, prev_rows) -> list[int]:
+    """Known tokens, 0 in place of each pending one (whose prev_index is set)."""
+    tokens: list[int] = []
+    for i, s in enumerate(scheduled):
+        request = s.request
+        stop = s.start + s.num_new_tokens
+        known = min(stop, request.num_tokens)
+        tokens += request.tokens(s.start, known)
+        if stop > known:  # only the last token of a chunk can be pending
+            if stop - known != 1 or request.request_id not in prev_rows:
+                raise ValueError(f"request {request.request_id!r}: tokens {known}..{stop} "
+                                 "are not on the host and no step before sampled them")
+            tokens.append(0)
+            prev_index[logits_index[i]] = prev_rows[request.request_id]
+    return tokens
 
 
 def _page_table(scheduled, num_padded_seqs: int, pages_per_seq: int) -> np.ndarray:

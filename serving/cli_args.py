@@ -46,6 +46,9 @@ def add_engine_args(parser: argparse.ArgumentParser) -> None:
     g.add_argument("--compilation-cache-dir", default="default",
                    help="persistent XLA cache ('' disables)")
     g.add_argument("--no-precompile", action="store_false", dest="precompile")
+    g.add_argument("--async-scheduling", action=argparse.BooleanOptionalAction, default=True,
+                   help="overlap scheduling, input building and output processing with the "
+                        "device step (steps with grammar masks or penalties run serially)")
     g.add_argument("--generation-config", default="auto",
                    help="sampling defaults for requests that omit them: 'auto' reads the "
                         "model's generation_config.json (Qwen3: temperature 0.6, top_p 0.95, "
@@ -112,7 +115,7 @@ ENGINE_ARG_NAMES = (
     "tokenizer", "dtype", "impl", "load_format", "quantization", "seed", "max_num_seqs",
     "max_num_batched_tokens", "max_model_len", "block_size", "num_gpu_blocks_override",
     "gpu_memory_utilization", "kv_cache_dtype", "enable_prefix_caching",
-    "max_waiting", "token_buckets", "seq_buckets", "compilation_cache_dir",
+    "max_waiting", "token_buckets", "seq_buckets", "async_scheduling", "compilation_cache_dir",
     "precompile", "tensor_parallel_size", "expert_parallel_size", "data_parallel_size",
     "generation_config", *SCHEDULING_ARG_NAMES)
 

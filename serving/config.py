@@ -71,6 +71,9 @@ class SchedulerConfig:
     max_waiting: int | None = None  # None: unbounded waiting queue
     token_buckets: tuple[int, ...] | None = None  # None: powers of two
     seq_buckets: tuple[int, ...] | None = None
+    # Overlap step N+1's scheduling and dispatch with step N's device time and output
+    # processing (serving/engine.py); False: every step runs serially.
+    async_scheduling: bool = True
 
     def __post_init__(self) -> None:
         require(self.max_num_seqs >= 1, "max_num_seqs", self.max_num_seqs, ">= 1")

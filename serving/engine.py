@@ -29,6 +29,7 @@ from serving.output_processor import OutputProcessor, ParentState, SeqState
 from serving.request import Request, RequestOutput, RequestStatus, SamplingParams
 from serving.runner import (
     ModelRunner,
+    PendingStep,
     StepInputs,
     default_compilation_cache_dir,
     enable_compilation_cache,
@@ -76,6 +77,9 @@ class LLMEngine:
         self._parents: dict[str, ParentState] = {}
         self.compile_seconds = 0.0
         self.last_step: dict = {}
+        self._in_flight: _Flight | None = None  # dispatched, tokens not read yet
+        self.num_overlapped_steps = 0  # dispatched while the step before was in flight
+        self._last_retired = 0.0
         if config.precompile:
             self.compile_seconds = self.runner.precompile(self.bucket_pairs,
                                                           progress=config.show_progress)
@@ -127,7 +131,8 @@ class LLMEngine:
                                          cache.enable_prefix_caching)
         self.scheduler = Scheduler(sched, self.kv_manager, swap=self._swap_manager())
         self.runner = ModelRunner(self.model, caches, max_model_len=self.max_model_len,
-                                  pages_per_seq=self.pages_per_seq, mesh=self.mesh)
+                                  pages_per_seq=self.pages_per_seq, mesh=self.mesh,
+                                  max_num_seqs=max(sched.seq_bucket_sizes))
         self.bucket_pairs = bucket_pairs(sched.token_bucket_sizes, sched.seq_bucket_sizes)
 
     def _swap_manager(self) -> SwapManager:
@@ -273,15 +278,47 @@ class LLMEngine:
 
     # ---- the step ----------------------------------------------------------------------
     def step(self) -> list[RequestOutput]:
-        """One engine iteration; returns an output for every request that produced a token."""
+        """One engine iteration; returns an output for every request that produced a token.
+
+        Overlapped (`async_scheduling`, the default): step N+1 is scheduled, built and
+        dispatched before step N's tokens are read; the rows that decode take their input
+        token from step N's output on the device, and step N's outputs are processed
+        while N+1 computes. A request that finished at step N may be in N+1: that token
+        is dropped. Steps run serially while some live request needs its tokens on the
+        host before the next step (grammar masks, penalties) and with several processes."""
+        overlap = self._can_overlap()
+        if self._in_flight is not None and not overlap:
+            last, self._in_flight = self._in_flight, None  # finish it, then go serial
+            return self._retire(last)
         out = self.scheduler.schedule()
         self._copy_swapped_pages(out)
-        if out.is_empty:
-            return []
+        flight = None if out.is_empty else self._launch(out)
+        if not overlap:
+            if flight is None:
+                return []
+            self.scheduler.update_after_step(out)
+            return self._retire(flight)
+        previous, self._in_flight = self._in_flight, flight
+        if previous is not None and flight is not None:
+            self.num_overlapped_steps += 1
+        outputs = [] if previous is None else self._retire(previous)
+        if flight is not None:  # after the step before's tokens are appended: the pages
+            self.scheduler.update_after_step(out)  # it fills can then be hashed
+        return outputs
+
+    def _can_overlap(self) -> bool:
+        if not self.scheduler_config.async_scheduling or distributed.is_multiprocess():
+            return False
+        return not any(seq.needs_host_tokens for seq in self._seqs.values())
+
+    def _launch(self, out: SchedulerOutput) -> _Flight:
+        """Build the step's inputs and dispatch it; returns at once."""
         buckets = self.scheduler_config.token_bucket_sizes, self.scheduler_config.seq_bucket_sizes
         masks = self._masks.submit(self._constrained_rows(out),  # filled meanwhile
                                    step_bucket(out, *buckets)[1])
-        batch = build_model_inputs(out, *buckets, self.page_size, self.pages_per_seq)
+        previous = self._in_flight
+        batch = build_model_inputs(out, *buckets, self.page_size, self.pages_per_seq,
+                                   None if previous is None else previous.rows)
         sampling = build_sampling_arrays(
             [self._sampling_entry(s.request) for s in out.scheduled], batch.padded_num_seqs,
             self.max_model_len, self.model_config.vocab_size,
@@ -290,12 +327,30 @@ class LLMEngine:
         if distributed.is_multiprocess():
             distributed.publish_step(inputs, sampling)
         started = time.perf_counter()
-        result = self.runner.execute(inputs, sampling)
-        self.last_step = {"num_tokens": batch.num_tokens, "num_seqs": out.num_seqs,
-                          "bucket": batch.bucket, "seconds": time.perf_counter() - started,
+        pending = self.runner.dispatch(inputs, sampling,
+                                       None if previous is None else previous.pending)
+        rows = {}
+        for row, scheduled in enumerate(out.scheduled):
+            if scheduled.samples:
+                rows[scheduled.request.request_id] = row
+                scheduled.request.num_pending_tokens += 1
+        return _Flight(out, pending, rows, started, batch.num_tokens, batch.bucket)
+
+    def _retire(self, flight: _Flight) -> list[RequestOutput]:
+        """Read a dispatched step's tokens and process them."""
+        result = flight.pending.result()
+        now = time.perf_counter()
+        out = flight.out
+        # The device time of the step, about: from its dispatch or the step before's end.
+        seconds = now - max(flight.started, self._last_retired)
+        self._last_retired = now
+        self.last_step = {"num_tokens": flight.num_tokens, "num_seqs": out.num_seqs,
+                          "bucket": flight.bucket, "seconds": seconds,
                           "num_preempted": len(out.preempted),
                           "num_admitted": out.num_admitted, "shape": _step_shape(out)}
-        self.scheduler.update_after_step(out)
+        for scheduled in out.scheduled:
+            if scheduled.samples:
+                scheduled.request.num_pending_tokens -= 1
         return self._process_tokens(out, result)
 
     def _process_tokens(self, out, result) -> list[RequestOutput]:
@@ -361,9 +416,10 @@ class LLMEngine:
     def _sampling_entry(self, request: Request) -> SamplingEntry:
         seq = self._seqs[request.request_id]
         params = request.sampling_params
-        blocked = seq.blocked_ids if request.num_output_tokens < params.min_tokens else ()
+        num_output = request.num_output_tokens + request.num_pending_tokens
+        blocked = seq.blocked_ids if num_output < params.min_tokens else ()
         tokens = request.all_token_ids if uses_penalties(params) else None
-        return SamplingEntry(params, seq.seed, request.num_output_tokens, blocked, tokens,
+        return SamplingEntry(params, seq.seed, num_output, blocked, tokens,
                              request.num_prompt_tokens)
 
     def _emit(self, parent: ParentState) -> RequestOutput:
@@ -391,6 +447,7 @@ class LLMEngine:
             "prefix_cache_hit_rate": kv.prefix_cache_hit_rate,
             "prefix_cache_queries": kv.pool.num_queried_tokens,
             "prefix_cache_hits": kv.pool.num_hit_tokens,
+            "num_overlapped_steps": self.num_overlapped_steps,
             "num_compiles": self.runner.num_compiles + (
                 self.host_kv.num_compiles if self.host_kv is not None else 0),
             "bytes_per_page": self.bytes_per_page,
@@ -413,6 +470,18 @@ class LLMEngine:
             "swap_space_usage": s.swap.usage,
             "num_recomputed_tokens": s.num_recomputed_tokens,
         }
+
+
+@dataclasses.dataclass
+class _Flight:
+    """A dispatched step whose tokens the host has not read."""
+
+    out: SchedulerOutput
+    pending: PendingStep
+    rows: dict[str, int]  # request id -> row, of the requests it samples a token for
+    started: float
+    num_tokens: int
+    bucket: tuple[int, int]
 
 
 def _step_shape(out: SchedulerOutput) -> StepShape:

@@ -42,6 +42,14 @@ class SeqState:
     def params(self):
         return self.request.sampling_params
 
+    @property
+    def needs_host_tokens(self) -> bool:
+        """Its next step's inputs need its last token on the host (the grammar mask, the
+        penalty counts): steps with it cannot overlap the next one."""
+        p = self.request.sampling_params
+        return self.guide is not None or (p.presence_penalty != 0 or p.frequency_penalty != 0
+                                          or p.repetition_penalty != 1)
+
 
 @dataclasses.dataclass
 class ParentState:
@@ -80,7 +88,7 @@ class OutputProcessor:
             seq.detokenizer.flush()
             seq.text = seq.detokenizer.text
 
-    def _append(self, seq, token, logprobs: TokenLogprobs, row, max_len_reached):
+    def _append(self, seq, token, logprobs: TokenLogprobs | None, row, max_len_reached):
         request, params = seq.request, seq.params
         request.append_output_token(token)
         self._record_logprobs(seq, token, logprobs, row)
@@ -100,12 +108,16 @@ class OutputProcessor:
             return RequestStatus.FINISHED_LENGTH_CAPPED
         return None
 
-    def _record_logprobs(self, seq: SeqState, token: int, logprobs: TokenLogprobs,
+    def _record_logprobs(self, seq: SeqState, token: int, logprobs: TokenLogprobs | None,
                          row: int) -> None:
-        seq.cumulative_logprob += float(logprobs.logprob[row])
         num = seq.params.logprobs
-        if num is not None and seq.logprobs is not None:  # both set iff logprobs were asked
-            seq.logprobs.append(self._logprob_entry(token, logprobs, row, num))
+        if num is None or seq.logprobs is None:  # both set iff logprobs were asked
+            return
+        if logprobs is None:
+            raise ValueError(f"request {seq.request.request_id!r} asked for logprobs but "
+                             "the step computed none")
+        seq.cumulative_logprob += float(logprobs.logprob[row])
+        seq.logprobs.append(self._logprob_entry(token, logprobs, row, num))
 
     def prompt_logprobs(self, prompt_ids: list[int], scored: TokenLogprobs, num: int) -> list:
         """vLLM's format: None for the first token, then {token_id: Logprob} holding the

@@ -160,6 +160,9 @@ class Request:
     page_ids: list[int] = dataclasses.field(default_factory=list)
     num_cached_tokens: int = 0
     num_preemptions: int = 0
+    # Tokens sampled by a dispatched step whose values the host has not read yet (the
+    # overlapped loop, serving/engine.py); the scheduler counts them, the rest does not.
+    num_pending_tokens: int = 0
     stop_reason: int | str | None = None
     metrics: RequestMetrics = dataclasses.field(init=False)  # from arrival_time
     # Chained page hashes of full pages, filled lazily by the KV cache manager.
@@ -186,6 +189,11 @@ class Request:
     @property
     def num_tokens(self) -> int:
         return len(self.prompt_token_ids) + len(self.output_token_ids)
+
+    @property
+    def num_tokens_with_pending(self) -> int:
+        """num_tokens plus the sampled tokens still on the device: what the scheduler plans."""
+        return len(self.prompt_token_ids) + len(self.output_token_ids) + self.num_pending_tokens
 
     @property
     def is_finished(self) -> bool:

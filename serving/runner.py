@@ -27,8 +27,10 @@ from serving.sampler import (
     build_sampling_arrays,
     sample,
     token_logprobs,
+    uses_penalty_rows,
 )
 from serving.structured import TokenMask, inactive_mask
+from serving.transfer import pack, packed_size, unpack
 
 logger = logging.getLogger(__name__)
 
@@ -43,11 +45,14 @@ class StepInputs:
     positions: Int[Array | np.ndarray, " T"]
     logits_index: Int[Array | np.ndarray, " S"]  # flat index of each sequence's last token
     attention: AttentionMetadata
+    # Overlapped loop: the row of the previous step's sampled tokens that token t is
+    # (read on the device, never by the host); -1: token_ids[t] holds it.
+    prev_index: Int[Array | np.ndarray, " T"]
 
     @classmethod
     def from_batch(cls, batch: ModelInputs) -> StepInputs:
         return cls(token_ids=batch.token_ids, positions=batch.positions,
-                   logits_index=batch.logits_index,
+                   logits_index=batch.logits_index, prev_index=batch.prev_index,
                    attention=AttentionMetadata(
                        slot_mapping=batch.slot_mapping, query_start=batch.query_start,
                        kv_lens=batch.kv_lens, page_table=batch.page_table,
@@ -74,23 +79,55 @@ def enable_compilation_cache(directory: str | None) -> None:
     jax.config.update("jax_persistent_cache_min_entry_size_bytes", 0)
 
 
+class PendingStep:
+    """A dispatched step: its outputs stay on the device until `result()` reads them.
+    `next_tokens` (i32[max_num_seqs], the sampled ids padded) feeds the following step."""
+
+    def __init__(self, out: SamplerOutput, next_tokens: jax.Array, want_logprobs: bool):
+        self.next_tokens = next_tokens
+        self._out = out
+        self._want_logprobs = want_logprobs
+        self._host: SamplerOutput | None = None
+        wanted = out if want_logprobs else out.token_ids
+        for leaf in jax.tree.leaves(wanted):  # start the copy back as soon as it is ready
+            leaf.copy_to_host_async()
+
+    def result(self) -> SamplerOutput:
+        """The sampled ids (and logprobs, when a row asked for them) as host arrays: one
+        fetch, which waits for the step to finish."""
+        if self._host is None:
+            if self._want_logprobs:
+                self._host = jax.device_get(self._out)
+            else:
+                self._host = SamplerOutput(token_ids=np.asarray(self._out.token_ids),
+                                           logprobs=None)
+        return self._host
+
+
 class ModelRunner:
     """Owns the params, the KV cache and the compiled steps."""
 
-    def __init__(self, model, kv_caches, *, max_model_len: int, pages_per_seq: int, mesh=None):
+    def __init__(self, model, kv_caches, *, max_model_len: int, pages_per_seq: int, mesh=None,
+                 max_num_seqs: int = 256):
+        """max_num_seqs: the largest sequence bucket (the width of `next_tokens`)."""
         self.graphdef, self.state = nnx.split(model)
         self.kv_caches = kv_caches
         self.max_model_len = max_model_len
         self.pages_per_seq = pages_per_seq
+        self.max_num_seqs = max_num_seqs
         self.vocab_size = model.config.vocab_size
         self._executables: dict[tuple[int, int], jax.stages.Compiled] = {}  # (T, S) -> step
         self._scorers: dict[int, Callable] = {}  # padded prompt length -> jitted scorer
-        self._inactive_masks: dict[int, TokenMask] = {}  # S -> device-resident, never sent
+        # Device-resident defaults, never sent: per S the inactive grammar mask and the
+        # no-penalty token array; one zero `next_tokens` for a step with no step before.
+        self._inactive_masks: dict[int, TokenMask] = {}
+        self._no_penalties: dict[int, jax.Array] = {}
+        self._no_prev_tokens: jax.Array | None = None
         # Under a mesh the host inputs go to every device (replicated) and the caches keep
         # their kv-head shards across steps.
         self._inputs_sharding: NamedSharding | None = None if mesh is None else replicated(mesh)
         cache_shardings = None if mesh is None else jax.tree.map(lambda x: x.sharding, kv_caches)
-        self._step = jax.jit(self._step_impl, donate_argnums=(1,),
+        self._step = jax.jit(self._step_impl, donate_argnums=(1,), static_argnums=(6,),
                              out_shardings=None if mesh is None else (cache_shardings,
                                                                       replicated(mesh)))
 
@@ -100,37 +137,75 @@ class ModelRunner:
         power-of-two prompt length the first time a request asks for prompt_logprobs."""
         return len(self._executables) + len(self._scorers)
 
-    def _step_impl(self, state, kv_caches, inputs: StepInputs, sampling: SamplingArrays):
+    def _step_impl(self, state, kv_caches, words, penalty_tokens, token_mask, prev_tokens,
+                   bucket: tuple[int, int]):
+        """words: the step's small inputs packed (serving/transfer.py); penalty_tokens and
+        token_mask travel apart (large, and device-resident when unused); prev_tokens:
+        the previous step's `next_tokens`, read where inputs.prev_index >= 0."""
+        inputs, sampling = unpack(words, self._packed_template(bucket))
+        sampling = dataclasses.replace(sampling, penalty_tokens=penalty_tokens,
+                                       token_mask=token_mask)
+        from_prev = prev_tokens[jax.numpy.maximum(inputs.prev_index, 0)]
+        token_ids = jax.numpy.where(inputs.prev_index >= 0, from_prev, inputs.token_ids)
         model = nnx.merge(self.graphdef, state)
-        hidden, kv_caches = model.forward(inputs.token_ids, inputs.positions, kv_caches,
+        hidden, kv_caches = model.forward(token_ids, inputs.positions, kv_caches,
                                           inputs.attention)
         logits = model.compute_logits(hidden[inputs.logits_index])  # [S, V] f32
-        return kv_caches, sample(logits, sampling)
+        out = sample(logits, sampling)
+        next_tokens = jax.numpy.zeros(self.max_num_seqs, jax.numpy.int32).at[
+            :bucket[1]].set(out.token_ids)
+        return kv_caches, (out, next_tokens)
+
+    def _packed_template(self, bucket: tuple[int, int]):
+        """Shapes and dtypes of what `dispatch` packs for a (T, S) bucket."""
+        t, s = bucket
+        host = (StepInputs.from_batch(padding_inputs(t, s, self.pages_per_seq)),
+                _small(padding_sampling(s, self.max_model_len, self.vocab_size)))
+        return jax.tree.map(lambda x: jax.ShapeDtypeStruct(np.shape(x), np.asarray(x).dtype),
+                            host)
 
     def execute(self, inputs: StepInputs, sampling: SamplingArrays) -> SamplerOutput:
-        """Run one step; returns its sampled tokens and logprobs as host arrays. A step
-        with no row under a grammar uses the bucket's inactive mask already on the device,
-        so its [S, V/32] mask is never transferred."""
-        mask = sampling.token_mask
-        resident = None if mask is not None and mask.active else self._inactive_mask(
-            inputs.bucket[1])
-        if resident is not None:
-            sampling = dataclasses.replace(sampling, token_mask=None)  # no leaves to move
-        args = (inputs, sampling)
-        if self._inputs_sharding is not None:
-            args = jax.tree.map(self._replicate, args)
-        if resident is not None:
-            args = (args[0], dataclasses.replace(args[1], token_mask=resident))
-        step = self._executables.get(inputs.bucket) or self._compile([inputs.bucket])[0]
-        self.kv_caches, out = step(self.state, self.kv_caches, *args)
-        return jax.device_get(out)
+        """Run one step and wait for it: its sampled tokens and logprobs as host arrays."""
+        return self.dispatch(inputs, sampling).result()
 
-    def _inactive_mask(self, num_seqs: int) -> TokenMask:
-        if num_seqs not in self._inactive_masks:
-            host = inactive_mask(num_seqs, self.vocab_size)
-            self._inactive_masks[num_seqs] = jax.tree.map(
-                self._replicate if self._inputs_sharding is not None else jax.device_put, host)
-        return self._inactive_masks[num_seqs]
+    def dispatch(self, inputs: StepInputs, sampling: SamplingArrays,
+                 prev: PendingStep | None = None) -> PendingStep:
+        """Start one step and return at once. Host to device: one packed int32 buffer,
+        plus the penalty tokens / grammar mask only when some row uses them (otherwise
+        device-resident defaults). `prev`: the step whose sampled tokens rows with
+        inputs.prev_index >= 0 take as input."""
+        num_seqs = inputs.bucket[1]
+        words = pack((inputs, _small(sampling)))
+        mask = sampling.token_mask
+        mask_arg = (mask if mask is not None and mask.active
+                    else self._resident(self._inactive_masks, num_seqs, lambda: inactive_mask(
+                        num_seqs, self.vocab_size)))
+        penalties = (sampling.penalty_tokens if uses_penalty_rows(sampling)
+                     else self._resident(self._no_penalties, num_seqs, lambda: padding_sampling(
+                         num_seqs, self.max_model_len, self.vocab_size).penalty_tokens))
+        prev_tokens = prev.next_tokens if prev is not None else self._zero_prev_tokens()
+        args = [words, penalties, mask_arg]
+        if self._inputs_sharding is not None:  # host leaves -> replicated global arrays
+            args = [jax.tree.map(lambda x: x if isinstance(x, jax.Array) else self._replicate(x),
+                                 a) for a in args]
+        step = self._executables.get(inputs.bucket) or self._compile([inputs.bucket])[0]
+        self.kv_caches, (out, next_tokens) = step(self.state, self.kv_caches, *args,
+                                                  prev_tokens)
+        return PendingStep(out, next_tokens, bool(sampling.want_logprobs))
+
+    def _resident(self, cache: dict, num_seqs: int, make):
+        if num_seqs not in cache:
+            cache[num_seqs] = jax.tree.map(
+                self._replicate if self._inputs_sharding is not None else jax.device_put,
+                make())
+        return cache[num_seqs]
+
+    def _zero_prev_tokens(self) -> jax.Array:
+        if self._no_prev_tokens is None:
+            zeros = np.zeros(self.max_num_seqs, np.int32)
+            self._no_prev_tokens = (self._replicate(zeros) if self._inputs_sharding is not None
+                                    else jax.device_put(zeros))
+        return self._no_prev_tokens
 
     def copy_pages_to_host(self, store, device_pages, host_pages) -> None:
         """Swap out: `store` (serving/host_kv.HostKVStore) keeps the pages' KV."""
@@ -168,11 +243,14 @@ class ModelRunner:
         return token_logprobs(logprobs, ids[0, 1:])
 
     def _abstract_args(self, bucket):
-        t, s = bucket
-        host = (StepInputs.from_batch(padding_inputs(t, s, self.pages_per_seq)),
-                padding_sampling(s, self.max_model_len, self.vocab_size))
-        return jax.tree.map(lambda x: jax.ShapeDtypeStruct(
-            np.shape(x), np.asarray(x).dtype, sharding=self._inputs_sharding), host)
+        """The step's arguments after state and caches, as ShapeDtypeStructs."""
+        _, s = bucket
+        sampling = padding_sampling(s, self.max_model_len, self.vocab_size)
+        host = (np.zeros(packed_size(self._packed_template(bucket)), np.int32),
+                sampling.penalty_tokens, sampling.token_mask,
+                np.zeros(self.max_num_seqs, np.int32))
+        return (*jax.tree.map(lambda x: jax.ShapeDtypeStruct(
+            np.shape(x), np.asarray(x).dtype, sharding=self._inputs_sharding), host), bucket)
 
     def _compile(self, buckets, progress: bool = False, on_compiled=None):
         """Trace and lower each bucket's step (Python, serial), then compile them on a
@@ -210,7 +288,14 @@ def padding_inputs(num_tokens: int, num_seqs: int, pages_per_seq: int) -> ModelI
                        slot_mapping=zeros(num_tokens), query_start=zeros(num_seqs + 1),
                        kv_lens=zeros(num_seqs), page_table=zeros(num_seqs, pages_per_seq),
                        logits_index=zeros(num_seqs), num_seqs=np.array(0, np.int32),
-                       num_tokens=0)
+                       num_tokens=0, prev_index=np.full(num_tokens, -1, np.int32))
+
+
+def _small(sampling: SamplingArrays) -> SamplingArrays:
+    """The sampling arrays that travel packed: all but penalty tokens and grammar mask
+    (None here: no leaves; the step puts its own back before sampling)."""
+    return dataclasses.replace(sampling, penalty_tokens=None,  # type: ignore[arg-type]
+                               token_mask=None)
 
 
 def padding_sampling(num_seqs: int, max_model_len: int, vocab_size: int) -> SamplingArrays:

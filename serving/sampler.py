@@ -41,6 +41,7 @@ class SamplingArrays:
     blocked_ids: np.ndarray  # i32[S, NUM_BLOCKED]: ids masked this step (min_tokens)
     penalty_tokens: np.ndarray  # i32[S, W]: prompt + output ids, -1 padded (W = max_model_len)
     num_prompt_tokens: np.ndarray  # i32[S]: how many of penalty_tokens are prompt
+    want_logprobs: np.ndarray  # bool[]: some row asked for logprobs (else none are computed)
     # Allowed tokens of rows under a grammar (serving/structured.py). None only in transit:
     # the runner swaps in a device-resident inactive mask for steps without a grammar.
     token_mask: TokenMask | None
@@ -75,8 +76,8 @@ class TokenLogprobs:
 class SamplerOutput:
     """What one step samples: a token per sequence and logprobs of the raw distribution."""
 
-    token_ids: jax.Array  # i32[S]
-    logprobs: TokenLogprobs
+    token_ids: jax.Array | np.ndarray  # i32[S]
+    logprobs: TokenLogprobs | None  # zeros on the device, None on the host, when not asked
 
 
 @functools.lru_cache(maxsize=64)
@@ -110,6 +111,7 @@ def build_sampling_arrays(entries: Sequence[SamplingEntry], num_padded_seqs: int
         output_index=np.zeros(s, np.int32), blocked_ids=np.full((s, NUM_BLOCKED), -1, np.int32),
         penalty_tokens=_no_penalty_tokens(s, max_model_len),
         num_prompt_tokens=np.zeros(s, np.int32),
+        want_logprobs=np.array(any(e.params.logprobs is not None for e in entries)),
         token_mask=_no_token_mask(s, vocab_size) if token_mask is None else token_mask)
     for i, entry in enumerate(entries):
         p = entry.params
@@ -132,6 +134,12 @@ def build_sampling_arrays(entries: Sequence[SamplingEntry], num_padded_seqs: int
 
 def uses_penalties(p: SamplingParams) -> bool:
     return p.presence_penalty != 0 or p.frequency_penalty != 0 or p.repetition_penalty != 1
+
+
+def uses_penalty_rows(sa: SamplingArrays) -> bool:
+    """Whether some row of a step applies penalties (so its penalty tokens must travel)."""
+    return bool(np.any(sa.presence_penalty != 0) or np.any(sa.frequency_penalty != 0)
+                or np.any(sa.repetition_penalty != 1))
 
 
 def _apply_penalties(logits, sa: SamplingArrays):
@@ -227,14 +235,16 @@ def sample(logits: jax.Array, sa: SamplingArrays) -> SamplerOutput:
     """logits: f32[S, V] -> sampled ids and logprobs of the raw distribution. The grammar
     mask of constrained rows (structured outputs) applies only when it is active."""
     num_seqs, vocab = logits.shape
-    logprobs = jax.nn.log_softmax(logits, axis=-1)  # raw, before any processing
+    raw = logits  # logprobs are of the raw distribution, before any processing
     mask = sa.token_mask
     if mask is not None:
         logits = jax.lax.cond(mask.active, lambda: apply_token_mask(logits, mask.bits),
                               lambda: logits)
     rows = jnp.broadcast_to(jnp.arange(num_seqs)[:, None], sa.blocked_ids.shape)
     blocked = jnp.where(sa.blocked_ids >= 0, sa.blocked_ids, vocab)
-    logits = logits.at[rows, blocked].set(-jnp.inf, mode="drop")
+    logits = jax.lax.cond(jnp.any(sa.blocked_ids >= 0),
+                          lambda: logits.at[rows, blocked].set(-jnp.inf, mode="drop"),
+                          lambda: logits)
     # Branches at run time: batches without penalties or without random sampling skip
     # the [S, V] scatter and the full-vocabulary sort.
     any_penalty = jnp.any((sa.presence_penalty != 0) | (sa.frequency_penalty != 0)
@@ -245,5 +255,15 @@ def sample(logits: jax.Array, sa: SamplingArrays) -> SamplerOutput:
     token = jax.lax.cond(
         all_greedy, lambda: greedy,
         lambda: jnp.where(sa.temperature < SAMPLING_EPS, greedy, _random_sample(logits, sa)))
-    return SamplerOutput(token_ids=token.astype(jnp.int32),
-                         logprobs=token_logprobs(logprobs, token))
+    # Log-softmax and the top-20 run only in steps where some row asked for logprobs.
+    logprobs = jax.lax.cond(
+        sa.want_logprobs, lambda: token_logprobs(jax.nn.log_softmax(raw, axis=-1), token),
+        lambda: _no_logprobs(num_seqs, min(NUM_TOP_LOGPROBS, vocab)))
+    return SamplerOutput(token_ids=token.astype(jnp.int32), logprobs=logprobs)
+
+
+def _no_logprobs(num_rows: int, num_top: int) -> TokenLogprobs:
+    return TokenLogprobs(logprob=jnp.zeros(num_rows, jnp.float32),
+                         rank=jnp.zeros(num_rows, jnp.int32),
+                         top_ids=jnp.zeros((num_rows, num_top), jnp.int32),
+                         top_logprobs=jnp.zeros((num_rows, num_top), jnp.float32))

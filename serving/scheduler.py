@@ -1,7 +1,10 @@
 """Token-budget continuous batching (vLLM v1's invariant). Pure Python.
 
 There are no prefill/decode phases: every step each request's
-num_computed_tokens catches up towards num_tokens within one token budget.
+num_computed_tokens catches up towards num_tokens within one token budget. With the
+overlapped engine loop a request's num_tokens includes the token its last step sampled
+on the device (`num_pending_tokens`): it is scheduled as that token's input before the
+host has read it.
 Running requests go first (a decode token or their next prefill chunk), then
 waiting ones are admitted in the policy's order (serving/policies.py) while pages
 stay above the admission headroom. When a running request cannot get pages, the
@@ -122,6 +125,12 @@ class Scheduler:
     def is_length_capped(self, request: Request) -> bool:
         return request.num_tokens >= self.max_num_tokens(request)
 
+    def _ends_with_pending(self, request: Request) -> bool:
+        """Overlapped loop: the token still on the device is the request's last (length
+        cap), so there is nothing to compute for it; the engine finishes it on reading."""
+        return (request.num_pending_tokens > 0
+                and request.num_tokens_with_pending >= self.max_num_tokens(request))
+
     def add_request(self, request: Request) -> None:
         self._validate(request)
         if self.config.max_waiting is not None and len(self.waiting) >= self.config.max_waiting:
@@ -177,9 +186,9 @@ class Scheduler:
                 break
             if request.status != RequestStatus.RUNNING:
                 continue  # preempted earlier in this step
-            num_left = request.num_tokens - request.num_computed_tokens
-            if num_left <= 0:
-                continue  # waiting for its sampled token to be appended
+            num_left = request.num_tokens_with_pending - request.num_computed_tokens
+            if num_left <= 0 or self._ends_with_pending(request):
+                continue  # waiting for its sampled token, or that token is its last
             if num_left > 1 and head is not None and self.policy.yields_to(request, head):
                 step.deferred.append(request)  # its prefill gets what admissions leave
                 continue
@@ -194,7 +203,8 @@ class Scheduler:
                 break
             if request.status != RequestStatus.RUNNING:
                 continue  # preempted for a short request
-            num_new = min(request.num_tokens - request.num_computed_tokens, step.budget)
+            num_new = min(request.num_tokens_with_pending - request.num_computed_tokens,
+                          step.budget)
             if self.kv.allocate_slots(request, num_new):
                 step.add(request, num_new, request.num_computed_tokens)
 
@@ -237,8 +247,10 @@ class Scheduler:
         growth = self._next_token_growth(self.running, step)
         while self.waiting and step.budget > 0:
             request = self.waiting.head
-            if request.request_id in step.preempted:
-                break  # preempted in this step: resuming it now would only thrash
+            if request.request_id in step.preempted or request.num_pending_tokens:
+                # preempted in this step: resuming it now would only thrash (and its
+                # last sampled token is not on the host yet)
+                break
             if self._try_admit(request, step, growth):
                 growth += self._next_token_growth([request], step)
             elif not self._preempt_for_short(request, step, now):
@@ -356,7 +368,7 @@ class _Step:
         self.swap_in: list[tuple[int, int]] = []
 
     def add(self, request: Request, num_new: int, start: int, admitted: bool = False) -> None:
-        samples = start + num_new == request.num_tokens
+        samples = start + num_new == request.num_tokens_with_pending
         self.scheduled[request.request_id] = ScheduledSeq(request, num_new, start, samples,
                                                           admitted)
         self.budget -= num_new

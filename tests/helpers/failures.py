@@ -11,30 +11,42 @@ import numpy as np
 def fail_device_step(engine, after_steps: int = 0) -> None:
     """From step `after_steps + 1` on, the step raises having consumed the donated KV cache,
     as a failed XLA call does: the device state is gone."""
-    real = engine.runner.execute
+    real = engine.runner.dispatch
     calls = {"n": 0}
 
-    def execute(inputs, sampling):
+    def dispatch(inputs, sampling, prev=None):
         calls["n"] += 1
         if calls["n"] <= after_steps:
-            return real(inputs, sampling)
+            return real(inputs, sampling, prev)
         for buffer in jax.tree.leaves(engine.runner.kv_caches):
             buffer.delete()
         raise RuntimeError("injected: the XLA step failed on the device")
 
-    engine.runner.execute = execute
+    engine.runner.dispatch = dispatch
 
 
 def corrupt_token_after(engine, marker: int, bad_token: int = -7):
     """Rows whose last input token is `marker` get `bad_token` sampled (one request's bad
     value coming back from the device; the cache is intact). Returns the undo function."""
-    real = engine.runner.execute
+    real = engine.runner.dispatch
 
-    def execute(inputs, sampling):
-        out = real(inputs, sampling)
-        last = np.asarray(inputs.token_ids)[np.asarray(inputs.logits_index)]
-        ids = np.where(last == marker, bad_token, np.asarray(out.token_ids))
-        return dataclasses.replace(out, token_ids=ids)
+    def dispatch(inputs, sampling, prev=None):
+        pending = real(inputs, sampling, prev)
+        result = pending.result
 
-    engine.runner.execute = execute
-    return lambda: setattr(engine.runner, "execute", real)
+        def corrupted():
+            # A token the previous step sampled is only on the device: read it from there.
+            ids = np.asarray(inputs.token_ids).copy()
+            from_prev = np.asarray(inputs.prev_index) >= 0
+            if from_prev.any():
+                ids[from_prev] = np.asarray(prev.next_tokens)[inputs.prev_index[from_prev]]
+            last = ids[np.asarray(inputs.logits_index)]
+            out = result()
+            return dataclasses.replace(out, token_ids=np.where(
+                last == marker, bad_token, np.asarray(out.token_ids)))
+
+        pending.result = corrupted
+        return pending
+
+    engine.runner.dispatch = dispatch
+    return lambda: setattr(engine.runner, "dispatch", real)

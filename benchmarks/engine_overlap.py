@@ -1,0 +1,183 @@
+"""The overlapped engine loop against the serial one, in one process. Prints one JSON object.
+
+1. Host cost per step: `engine.step()` with N running decode sequences (N = 1, 8, 64,
+   256) and the device step replaced by an instant fake: schedule + inputs + sampling
+   arrays + output processing, serial and overlapped.
+2. A fake device step of fixed duration d (default 2 ms and 12 ms, H200 estimates of a
+   Qwen3-30B-A3B decode step at batch 1 and 64): the fake device runs the dispatched steps
+   one after another, in real time, while the host goes on (it sleeps; it does not use a
+   CPU). Step wall time and overlap efficiency d / wall, serial and overlapped.
+3. The real tiny model on this CPU: output tokens/s of the same greedy workload, serial
+   and overlapped, and whether every token is the same.
+
+    PYTHONPATH=. python benchmarks/engine_overlap.py [--out FILE]
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import statistics
+import sys
+import time
+from pathlib import Path
+
+os.environ.setdefault("JAX_PLATFORMS", "cpu")
+os.environ.setdefault("TOKENIZERS_PARALLELISM", "false")
+
+import numpy as np  # noqa: E402
+
+from serving.sampler import SamplerOutput  # noqa: E402
+
+SEQS = (1, 8, 64, 256)
+
+
+def parse_args(argv=None):
+    p = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    p.add_argument("--model", default=None, help="checkpoint dir (default: the shipped model)")
+    p.add_argument("--seqs", type=int, nargs="+", default=list(SEQS))
+    p.add_argument("--device-ms", type=float, nargs="+", default=[2.0, 12.0])
+    p.add_argument("--steps", type=int, default=40, help="timed steps per configuration")
+    p.add_argument("--num-requests", type=int, default=64, help="real-model workload")
+    p.add_argument("--max-tokens", type=int, default=48)
+    p.add_argument("--compilation-cache-dir", default="default")
+    p.add_argument("--skip-real", action="store_true")
+    p.add_argument("--out", default=None)
+    return p.parse_args(argv)
+
+
+class FakeDevice:
+    """Stands in for `ModelRunner.dispatch`: steps run one after another for `seconds`
+    each, starting when dispatched or when the step before ends; every row samples 7."""
+
+    def __init__(self, seconds: float):
+        self.seconds = seconds
+        self.busy_until = 0.0
+
+    def dispatch(self, inputs, sampling, prev=None):
+        start = max(time.perf_counter(), self.busy_until)
+        self.busy_until = start + self.seconds
+        return _FakePending(self.busy_until, inputs.bucket[1])
+
+
+class _FakePending:
+    next_tokens = None
+
+    def __init__(self, ready_at: float, num_seqs: int):
+        self.ready_at, self.num_seqs = ready_at, num_seqs
+
+    def result(self) -> SamplerOutput:
+        wait = self.ready_at - time.perf_counter()
+        if wait > 0:
+            time.sleep(wait)
+        return SamplerOutput(token_ids=np.full(self.num_seqs, 7, np.int32), logprobs=None)
+
+
+def decoding_engine(model, num_seqs: int, steps: int, async_scheduling: bool, cache_dir):
+    """An engine with `num_seqs` sequences all decoding and a fake device (set later)."""
+    from qwen_jax import LLM, SamplingParams
+    rng = np.random.default_rng(num_seqs)
+    prompt_lens = rng.integers(32, 257, size=num_seqs)
+    max_tokens = 3 * steps + 32  # outlives the warm-up and timed steps
+    pages = 1 + sum(-(-(int(k) + max_tokens) // 16) for k in prompt_lens)
+    max_num_seqs = max(num_seqs, 8)
+    llm = LLM(model=model, max_num_seqs=max_num_seqs, max_num_batched_tokens=8192,
+              max_model_len=1024, num_gpu_blocks_override=pages + 16, precompile=False,
+              show_progress=False, compilation_cache_dir=cache_dir,
+              async_scheduling=async_scheduling)
+    engine = llm.llm_engine
+    engine.runner.dispatch = FakeDevice(0.0).dispatch
+    vocab = engine.model_config.vocab_size
+    params = SamplingParams(temperature=0.0, max_tokens=max_tokens, ignore_eos=True)
+    for i, k in enumerate(prompt_lens):
+        engine.add_request(str(i), {"prompt_token_ids": rng.integers(2, vocab, int(k)).tolist()},
+                           params)
+    for _ in range(20):  # prefill everything (steps of up to 8192 tokens), then decode
+        engine.step()
+        if all(r.num_computed_tokens >= r.num_prompt_tokens for r in engine.scheduler.running):
+            break
+    if engine.scheduler.num_running != num_seqs:
+        raise RuntimeError("not every sequence is running")
+    return engine
+
+
+def timed_steps(engine, device: FakeDevice, steps: int) -> list[float]:
+    engine.runner.dispatch = device.dispatch
+    for _ in range(3):
+        engine.step()
+    walls = []
+    for _ in range(steps):
+        t = time.perf_counter()
+        engine.step()
+        walls.append(time.perf_counter() - t)
+    return walls
+
+
+def fake_device_runs(args) -> dict:
+    out: dict = {"host_ms_per_step": {}, "fake_device": {}}
+    for n in args.seqs:
+        row: dict = {}
+        engines = {mode: decoding_engine(args.model, n, args.steps, mode == "overlapped",
+                                         args.compilation_cache_dir)
+                   for mode in ("serial", "overlapped")}
+        for mode, engine in engines.items():
+            walls = timed_steps(engine, FakeDevice(0.0), args.steps)
+            row[mode] = round(1e3 * statistics.median(walls), 3)
+        out["host_ms_per_step"][str(n)] = row
+        for d in args.device_ms:
+            cell: dict = {}
+            for mode, engine in engines.items():
+                walls = timed_steps(engine, FakeDevice(d / 1e3), args.steps)
+                wall = statistics.median(walls)
+                cell[mode] = {"wall_ms": round(1e3 * wall, 3),
+                              "efficiency": round(d / 1e3 / wall, 3)}
+            out["fake_device"].setdefault(f"{d:g}ms", {})[str(n)] = cell
+        print(json.dumps({"seqs": n, **row}), file=sys.stderr, flush=True)
+    return out
+
+
+def real_model(args) -> dict:
+    """The shipped tiny model on this CPU, serial then overlapped, same greedy workload."""
+    from qwen_jax import LLM, SamplingParams
+    rng = np.random.default_rng(0)
+    results, report = {}, {}
+    for mode in ("serial", "overlapped", "serial_again", "overlapped_again"):
+        llm = LLM(model=args.model, max_num_seqs=64, max_num_batched_tokens=512,
+                  max_model_len=512, show_progress=False,
+                  compilation_cache_dir=args.compilation_cache_dir,
+                  async_scheduling=mode.startswith("overlapped"))
+        vocab = llm.llm_engine.model_config.vocab_size
+        rng = np.random.default_rng(0)
+        prompts = [{"prompt_token_ids": rng.integers(2, vocab, int(k)).tolist()}
+                   for k in rng.integers(8, 128, size=args.num_requests)]
+        params = SamplingParams(temperature=0.0, max_tokens=args.max_tokens, ignore_eos=True)
+        llm.generate(prompts[:8], params)  # warm
+        t = time.perf_counter()
+        outs = llm.generate(prompts, params)
+        seconds = time.perf_counter() - t
+        tokens = sum(len(o.outputs[0].token_ids) for o in outs)
+        results[mode] = [o.outputs[0].token_ids for o in outs]
+        report[mode] = {"seconds": round(seconds, 3),
+                        "output_tok_per_s": round(tokens / seconds, 1)}
+    best = {m: max(report[m]["output_tok_per_s"], report[m + "_again"]["output_tok_per_s"])
+            for m in ("serial", "overlapped")}
+    report["overlapped_over_serial"] = round(best["overlapped"] / best["serial"], 3)
+    report["same_tokens"] = all(results[m] == results["serial"] for m in results)
+    return report
+
+
+def main(argv=None) -> dict:
+    args = parse_args(argv)
+    report = {"args": vars(args), **fake_device_runs(args)}
+    if not args.skip_real:
+        report["tiny_model_cpu"] = real_model(args)
+    text = json.dumps(report, indent=1)
+    print(text)
+    if args.out:
+        Path(args.out).write_text(text + "\n")
+    return report
+
+
+if __name__ == "__main__":
+    main()

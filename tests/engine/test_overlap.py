@@ -1,0 +1,159 @@
+"""The overlapped engine loop (async_scheduling) gives exactly what the serial loop gives:
+same tokens, texts and finish reasons in every batching mode, and no page left held."""
+
+import pytest
+
+from qwen_jax import LLM, SamplingParams
+from serving.engine import LLMEngine
+from serving.llm import engine_config_from_kwargs
+from tests.engine.conftest import make_prompts
+
+ARGS = dict(max_num_seqs=8, max_num_batched_tokens=64, max_model_len=128,
+            token_buckets=[8, 16, 64], seq_buckets=[4, 8], show_progress=False,
+            precompile=False)  # only the buckets a test uses compile
+GREEDY = SamplingParams(temperature=0.0, max_tokens=12, ignore_eos=True)
+
+
+def make_pair(ckpt, compile_cache, **kwargs):
+    """(serial, overlapped) LLMs over the same checkpoint and options."""
+    args = {**ARGS, **kwargs, "compilation_cache_dir": compile_cache}
+    return (LLM(str(ckpt), async_scheduling=False, **args),
+            LLM(str(ckpt), async_scheduling=True, **args))
+
+
+def results(outs):
+    return [[(c.token_ids, c.text, c.finish_reason, c.stop_reason) for c in o.outputs]
+            for o in outs]
+
+
+def assert_no_leak(llm):
+    stats = llm.stats()
+    assert stats["num_running"] == 0 and stats["num_waiting"] == 0
+    assert stats["num_free_pages"] == stats["num_total_pages"]
+
+
+def assert_same(pair, prompts, params, overlapped=True):
+    serial, fast = pair
+    before = fast.stats()["num_overlapped_steps"]
+    expected = results(serial.generate(prompts, params))
+    assert results(fast.generate(prompts, params)) == expected
+    steps = fast.stats()["num_overlapped_steps"] - before
+    assert steps > 0 if overlapped else steps == 0
+    assert serial.stats()["num_overlapped_steps"] == 0
+    for llm in pair:
+        assert_no_leak(llm)
+    return expected
+
+
+def ids(prompts):
+    return [{"prompt_token_ids": p} for p in prompts]
+
+
+@pytest.fixture(scope="module")
+def pair(tiny_ckpt, compile_cache):
+    return make_pair(tiny_ckpt[0], compile_cache)
+
+
+@pytest.fixture(scope="module")
+def tok_pair(tokenizer_ckpt, compile_cache):
+    return make_pair(tokenizer_ckpt[0], compile_cache)
+
+
+def test_plain_batch(pair):
+    assert_same(pair, ids(make_prompts([1, 5, 23, 70, 9, 40])), GREEDY)
+
+
+def test_max_tokens_differ_per_request(pair):
+    prompts = ids(make_prompts([4, 9, 30, 2], seed=1))
+    params = [SamplingParams(temperature=0.0, max_tokens=m, ignore_eos=True)
+              for m in (1, 2, 7, 13)]
+    out = assert_same(pair, prompts, params)
+    assert [len(o[0][0]) for o in out] == [1, 2, 7, 13]
+
+
+def test_chunked_prefill(tiny_ckpt, compile_cache):
+    pair = make_pair(tiny_ckpt[0], compile_cache, max_num_seqs=4, max_num_batched_tokens=8,
+                     token_buckets=[8], seq_buckets=[4])
+    assert_same(pair, ids(make_prompts([30, 3, 19, 45], seed=2)), GREEDY)
+
+
+def test_tiny_kv_pool_with_preemptions(tiny_ckpt, compile_cache):
+    pair = make_pair(tiny_ckpt[0], compile_cache, num_gpu_blocks_override=9)
+    assert_same(pair, ids(make_prompts([15, 14, 31, 30, 13], seed=3)), GREEDY)
+    assert all(llm.stats()["num_preemptions"] > 0 for llm in pair)
+
+
+def test_prefix_caching_over_two_passes(pair):
+    shared = make_prompts([40], seed=7)[0]
+    prompts = ids([shared + tail for tail in make_prompts([3, 17, 1, 22], seed=8)])
+    first = assert_same(pair, prompts, GREEDY)
+    hits = pair[1].stats()["prefix_cache_hits"]
+    assert assert_same(pair, prompts, GREEDY) == first
+    assert pair[1].stats()["prefix_cache_hits"] - hits >= 4 * 32  # two full pages each
+
+
+def test_n_samples_with_seeds(pair):
+    params = SamplingParams(n=3, temperature=1.0, top_p=0.9, top_k=20, seed=11, max_tokens=10,
+                            ignore_eos=True)
+    out = assert_same(pair, ids(make_prompts([6, 21], seed=4)), params)
+    assert len({tuple(c[0]) for c in out[0]}) > 1  # the three samples differ
+
+
+def test_eos_and_min_tokens(pair):
+    # Without ignore_eos, requests stop at EOS (a token that may end a request mid-batch
+    # while its next step is already in flight); min_tokens masks it for the first few.
+    params = [SamplingParams(temperature=1.0, seed=s, max_tokens=40, min_tokens=m)
+              for s, m in zip(range(6), (0, 5, 0, 3, 0, 0))]
+    assert_same(pair, ids(make_prompts([3, 8, 2, 12, 5, 7], seed=5)), params)
+
+
+def test_stop_strings_that_end_mid_step(tok_pair):
+    serial, _ = tok_pair
+    prompt = "The quick brown fox"
+    text = serial.generate(prompt, SamplingParams(temperature=0.0, max_tokens=16,
+                                                  ignore_eos=True))[0].outputs[0].text
+    stop = text[len(text) // 2:len(text) // 2 + 3]  # ends inside some token, in the middle
+    params = SamplingParams(temperature=0.0, max_tokens=16, ignore_eos=True, stop=[stop])
+    out = assert_same(tok_pair, [prompt, "Once upon a time"], params)
+    assert out[0][0][2] == "stop" and out[0][0][3] == stop
+
+
+def test_penalties_run_serially_with_the_same_output(pair):
+    params = SamplingParams(temperature=0.0, max_tokens=10, ignore_eos=True,
+                            repetition_penalty=1.3, presence_penalty=0.5)
+    assert_same(pair, ids(make_prompts([5, 16], seed=6)), params, overlapped=False)
+
+
+def test_abort_mid_stream(tiny_ckpt, compile_cache):
+    def run(async_scheduling):
+        engine = LLMEngine(engine_config_from_kwargs(
+            str(tiny_ckpt[0]), compilation_cache_dir=compile_cache,
+            async_scheduling=async_scheduling, **ARGS))
+        for i, p in enumerate(make_prompts([20, 9, 7], seed=9)):
+            engine.add_request(str(i), {"prompt_token_ids": p}, GREEDY)
+        finished = {}
+        for step in range(40):
+            if step == 4:
+                engine.abort("1")
+            for out in engine.step():
+                assert out.request_id != "1" or step < 4  # nothing after the abort
+                if out.finished:
+                    finished[out.request_id] = out.outputs[0].token_ids
+            if not engine.has_unfinished_requests():
+                break
+        stats = engine.stats()
+        assert stats["num_free_pages"] == stats["num_total_pages"]
+        return finished
+
+    assert run(True) == run(False) and set(run(False)) == {"0", "2"}
+
+
+def test_default_model_chat_is_identical(compile_cache):
+    args = {**ARGS, "max_model_len": 256, "compilation_cache_dir": compile_cache}
+    serial, fast = LLM(async_scheduling=False, **args), LLM(**args)
+    conversations = [[{"role": "user", "content": f"What is {a} plus {b}?"}]
+                     for a, b in ((3, 4), (12, 30), (7, 7), (101, 9))]
+    params = SamplingParams(temperature=0.0, max_tokens=24)
+    assert results(fast.chat(conversations, params)) == results(
+        serial.chat(conversations, params))
+    assert fast.stats()["num_overlapped_steps"] > 0
