@@ -9,6 +9,8 @@
    CPU). Step wall time and overlap efficiency d / wall, serial and overlapped.
 3. The real tiny model on this CPU: output tokens/s of the same greedy workload, serial
    and overlapped, and whether every token is the same.
+0. First, the vocabulary-wide work of a step at Qwen3's 151,936 tokens (lm head and
+   sampler, 32 sequences): greedy, sampled, with and without logprobs, against the matmul.
 
     PYTHONPATH=. python benchmarks/engine_overlap.py [--out FILE]
 """
@@ -43,6 +45,11 @@ def parse_args(argv=None):
     p.add_argument("--max-tokens", type=int, default=48)
     p.add_argument("--compilation-cache-dir", default="default")
     p.add_argument("--skip-real", action="store_true")
+    p.add_argument("--skip-engine", action="store_true", help="only the vocabulary part")
+    p.add_argument("--vocab-size", type=int, default=151936)
+    p.add_argument("--vocab-hidden", type=int, default=128, help="the tiny model's hidden size")
+    p.add_argument("--vocab-seqs", type=int, default=32)
+    p.add_argument("--vocab-repeats", type=int, default=20)
     p.add_argument("--out", default=None)
     return p.parse_args(argv)
 
@@ -167,9 +174,62 @@ def real_model(args) -> dict:
     return report
 
 
+def vocab_work(args) -> dict:
+    """The vocabulary-wide part of a step at Qwen3's vocabulary: lm-head matmul alone, then
+    matmul + sampler for greedy rows, for temperature / top-p / top-k rows (logits peaked
+    as a trained model's, and flat, where the candidates cannot decide top-p), and greedy
+    with logprobs asked; milliseconds (median) and ratio to the matmul."""
+    import jax
+    import jax.numpy as jnp
+
+    from serving.request import SamplingParams
+    from serving.sampler import SamplingEntry, build_sampling_arrays, sample
+    s, h, v = args.vocab_seqs, args.vocab_hidden, args.vocab_size
+    rng = np.random.default_rng(0)
+    weight = jnp.asarray(rng.normal(size=(h, v)).astype(np.float32) / np.sqrt(h))
+    matmul = jax.jit(lambda x: x @ weight)
+    step = jax.jit(lambda x, sa: sample(x @ weight, sa).token_ids)
+
+    def arrays(params):
+        entries = [SamplingEntry(params, i, 0, (), None, 0) for i in range(s)]
+        return build_sampling_arrays(entries, s, 16, v)
+
+    def timed(fn, *fn_args):
+        jax.block_until_ready(fn(*fn_args))
+        times = []
+        for _ in range(args.vocab_repeats):
+            t = time.perf_counter()
+            jax.block_until_ready(fn(*fn_args))
+            times.append(time.perf_counter() - t)
+        return statistics.median(times)
+
+    peaked = jnp.asarray(rng.normal(size=(s, h)).astype(np.float32) * 6.0)
+    flat = peaked * (0.05 / 6.0)
+    base = timed(matmul, peaked)
+    cases = {
+        "greedy": (peaked, SamplingParams(temperature=0.0)),
+        "greedy_logprobs_20": (peaked, SamplingParams(temperature=0.0, logprobs=20)),
+        "temperature_top_p_top_k": (peaked, SamplingParams(temperature=0.8, top_p=0.9,
+                                                           top_k=50)),
+        "top_p_peaked": (peaked, SamplingParams(temperature=0.8, top_p=0.9)),
+        "top_p_flat_logits": (flat, SamplingParams(temperature=0.8, top_p=0.9)),
+        "temperature_only": (peaked, SamplingParams(temperature=0.8)),
+    }
+    out = {"num_seqs": s, "hidden": h, "vocab": v, "lm_head_ms": round(1e3 * base, 2)}
+    for name, (x, params) in cases.items():
+        seconds = timed(step, x, arrays(params))
+        out[name] = {"ms": round(1e3 * seconds, 2), "x_lm_head": round(seconds / base, 2)}
+    return out
+
+
 def main(argv=None) -> dict:
     args = parse_args(argv)
-    report = {"args": vars(args), **fake_device_runs(args)}
+    report = {"args": vars(args), "vocab_work": vocab_work(args)}
+    print(json.dumps(report["vocab_work"]), file=sys.stderr, flush=True)
+    if args.skip_engine:
+        print(json.dumps(report, indent=1))
+        return report
+    report.update(fake_device_runs(args))
     if not args.skip_real:
         report["tiny_model_cpu"] = real_model(args)
     text = json.dumps(report, indent=1)

@@ -160,7 +160,7 @@ class AsyncLLM:
             self._stats = self.engine.stats()
             for output in outputs:
                 self._deliver(output.request_id, output)
-            for listener in self.step_listeners:
+            for listener in self.step_listeners if self.engine.last_step else ():
                 try:
                     listener(self.engine.last_step, outputs)
                 except Exception:  # an observer's bug must not stop the engine

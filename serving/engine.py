@@ -286,6 +286,7 @@ class LLMEngine:
         while N+1 computes. A request that finished at step N may be in N+1: that token
         is dropped. Steps run serially while some live request needs its tokens on the
         host before the next step (grammar masks, penalties) and with several processes."""
+        self.last_step = {}  # set when this call reads a step's tokens
         overlap = self._can_overlap()
         if self._in_flight is not None and not overlap:
             last, self._in_flight = self._in_flight, None  # finish it, then go serial

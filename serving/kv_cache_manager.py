@@ -69,6 +69,10 @@ class KVCacheManager:
         admission. `num_reserved_pages` pages must stay free afterwards (the
         admission watermark).
         """
+        if new_computed_pages is None and not num_reserved_pages and (
+                request.num_computed_tokens + num_new_tokens
+                <= len(request.page_ids) * self.page_size):
+            return True  # the common decode step: its pages already hold the new token
         computed = new_computed_pages or ()
         num_tokens = request.num_computed_tokens + len(computed) * self.page_size + num_new_tokens
         num_new_pages = cdiv(num_tokens, self.page_size) - len(request.page_ids) - len(computed)

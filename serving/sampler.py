@@ -102,25 +102,30 @@ def build_sampling_arrays(entries: Sequence[SamplingEntry], num_padded_seqs: int
                           token_mask: TokenMask | None = None) -> SamplingArrays:
     """One row per real sequence's entry; rows past them are greedy padding. `token_mask`:
     the grammar rows' allowed tokens this step (None: no row is constrained)."""
-    s = num_padded_seqs
+    s, n = num_padded_seqs, len(entries)
+    params = [e.params for e in entries]
+
+    def column(values, dtype, pad):
+        array = np.full(s, pad, dtype)
+        array[:n] = values
+        return array
+
     arrays = SamplingArrays(
-        temperature=np.zeros(s, np.float32), top_p=np.ones(s, np.float32),
-        top_k=np.zeros(s, np.int32), min_p=np.zeros(s, np.float32),
-        presence_penalty=np.zeros(s, np.float32), frequency_penalty=np.zeros(s, np.float32),
-        repetition_penalty=np.ones(s, np.float32), seed=np.zeros(s, np.uint32),
-        output_index=np.zeros(s, np.int32), blocked_ids=np.full((s, NUM_BLOCKED), -1, np.int32),
+        temperature=column([p.temperature for p in params], np.float32, 0),
+        top_p=column([p.top_p for p in params], np.float32, 1),
+        top_k=column([max(p.top_k, 0) for p in params], np.int32, 0),
+        min_p=column([p.min_p for p in params], np.float32, 0),
+        presence_penalty=column([p.presence_penalty for p in params], np.float32, 0),
+        frequency_penalty=column([p.frequency_penalty for p in params], np.float32, 0),
+        repetition_penalty=column([p.repetition_penalty for p in params], np.float32, 1),
+        seed=column([e.seed for e in entries], np.uint32, 0),
+        output_index=column([e.output_index for e in entries], np.int32, 0),
+        blocked_ids=np.full((s, NUM_BLOCKED), -1, np.int32),
         penalty_tokens=_no_penalty_tokens(s, max_model_len),
         num_prompt_tokens=np.zeros(s, np.int32),
-        want_logprobs=np.array(any(e.params.logprobs is not None for e in entries)),
+        want_logprobs=np.array(any(p.logprobs is not None for p in params)),
         token_mask=_no_token_mask(s, vocab_size) if token_mask is None else token_mask)
-    for i, entry in enumerate(entries):
-        p = entry.params
-        arrays.temperature[i] = p.temperature
-        arrays.top_p[i], arrays.top_k[i], arrays.min_p[i] = p.top_p, max(p.top_k, 0), p.min_p
-        arrays.presence_penalty[i] = p.presence_penalty
-        arrays.frequency_penalty[i] = p.frequency_penalty
-        arrays.repetition_penalty[i] = p.repetition_penalty
-        arrays.seed[i], arrays.output_index[i] = entry.seed, entry.output_index
+    for i, entry in enumerate(entries):  # rows with min_tokens or penalties only
         if entry.blocked_ids:
             arrays.blocked_ids[i, :len(entry.blocked_ids)] = entry.blocked_ids
         tokens = entry.penalty_tokens
@@ -173,9 +178,14 @@ def gumbel_noise(seed, output_index, vocab: int):
     A counter-based hash rather than jax.random: threefry's unrolled rounds cost seconds
     of compile per bucket on CPU, and the stream only has to be reproducible.
     """
+    return gumbel_noise_at(seed, output_index, jnp.arange(vocab, dtype=jnp.uint32)[None, :])
+
+
+def gumbel_noise_at(seed, output_index, token_ids):
+    """The noise `gumbel_noise` gives these token ids (int[S, K] or [1, K]) of each row."""
     row = _mix32(seed.astype(jnp.uint32) ^ _mix32(output_index.astype(jnp.uint32)
                                                   + jnp.uint32(0x9E3779B9)))  # [S]
-    bits = _mix32(row[:, None] ^ _mix32(jnp.arange(vocab, dtype=jnp.uint32)[None, :]))
+    bits = _mix32(row[:, None] ^ _mix32(token_ids.astype(jnp.uint32)))
     return -jnp.log(-jnp.log(uniform_from_bits(bits)))
 
 
@@ -186,30 +196,89 @@ def uniform_from_bits(bits):
     return ((bits >> 9).astype(jnp.float32) + 0.5) * (1.0 / (1 << 23))
 
 
-def _filtered_sample(scaled, noise, sa: SamplingArrays):
-    """Top-k, then top-p and min-p on the sorted distribution; Gumbel-max over what is kept."""
-    vocab = scaled.shape[-1]
-    sorted_logits, sorted_ids = jax.lax.top_k(scaled, vocab)  # [S, V] descending
-    rank = jnp.arange(vocab)[None, :]
-    k = jnp.where(sa.top_k > 0, sa.top_k, vocab)[:, None]
-    masked = jnp.where(rank < k, sorted_logits, -jnp.inf)
-    probs = jax.nn.softmax(masked, axis=-1)
+NUM_CANDIDATES = 1024  # the most likely tokens that top-k / top-p / min-p look at first
+
+
+def _keep(sorted_logits, log_normalizer, sa: SamplingArrays):
+    """Top-k, then top-p and min-p over a row's tokens sorted most likely first (all of
+    them or a prefix): the logits kept (-inf elsewhere), and the probabilities."""
+    width = sorted_logits.shape[-1]
+    rank = jnp.arange(width)[None, :]
+    masked = jnp.where((rank < sa.top_k[:, None]) | (sa.top_k[:, None] <= 0), sorted_logits,
+                       -jnp.inf)
+    probs = jnp.exp(masked - log_normalizer[:, None])
     before = jnp.cumsum(probs, axis=-1) - probs  # mass strictly above each token
     keep = (before < sa.top_p[:, None]) & (probs >= sa.min_p[:, None] * probs[:, :1])
-    masked = jnp.where(keep | (rank == 0), masked, -jnp.inf)
-    # Noise is attached to the token id (not the sorted rank) so ties cannot reorder it.
-    choice = jnp.argmax(masked + jnp.take_along_axis(noise, sorted_ids, axis=-1), axis=-1)
-    return jnp.take_along_axis(sorted_ids, choice[:, None], axis=-1)[:, 0]
+    return jnp.where(keep | (rank == 0), masked, -jnp.inf), probs
+
+
+def _choose(kept, ids, sa: SamplingArrays):
+    """Gumbel-max over the kept logits. Noise is attached to the token id (not the sorted
+    rank) so ties cannot reorder it, and a token's noise is the same in every path."""
+    choice = jnp.argmax(kept + gumbel_noise_at(sa.seed, sa.output_index, ids), axis=-1)
+    return jnp.take_along_axis(ids, choice[:, None], axis=-1)[:, 0].astype(jnp.int32)
+
+
+def _sorted_sample(scaled, sa: SamplingArrays):
+    """Filters over the whole sorted vocabulary (the fallback: a full sort per row)."""
+    sorted_logits, sorted_ids = jax.lax.top_k(scaled, scaled.shape[-1])  # [S, V] descending
+    masked = jnp.where((jnp.arange(scaled.shape[-1])[None, :] < sa.top_k[:, None])
+                       | (sa.top_k[:, None] <= 0), sorted_logits, -jnp.inf)
+    kept, _ = _keep(sorted_logits, jax.nn.logsumexp(masked, axis=-1), sa)
+    return _choose(kept, sorted_ids, sa)
+
+
+def _filtered_sample(scaled, sa: SamplingArrays, rows):
+    """Top-k, then top-p and min-p; Gumbel-max over what is kept. `rows`: the rows whose
+    token counts. They look at the NUM_CANDIDATES most likely tokens (a partial top-k, not
+    a sort of the vocabulary) when those decide every such row: top-k within them, or
+    they hold top-p's mass, or the last is below min-p's floor. Otherwise the whole
+    vocabulary is sorted. Either way the same tokens are kept."""
+    if scaled.shape[-1] <= NUM_CANDIDATES:
+        return _sorted_sample(scaled, sa)
+    kept, top_ids, decided = _candidates(scaled, sa)
+    return jax.lax.cond(jnp.all(decided | ~rows), lambda: _choose(kept, top_ids, sa),
+                        lambda: _sorted_sample(scaled, sa))
+
+
+def _candidates(scaled, sa: SamplingArrays):
+    """The NUM_CANDIDATES most likely tokens of each row: what the filters keep of them,
+    their ids, and whether they decide the row (nothing past them could be kept)."""
+    width = NUM_CANDIDATES
+    top_logits, top_ids = jax.lax.top_k(scaled, width)
+    k_inside = (sa.top_k > 0) & (sa.top_k <= width)
+    topk_masked = jnp.where(jnp.arange(width)[None, :] < sa.top_k[:, None], top_logits,
+                            -jnp.inf)
+    # The distribution top-p and min-p read: over the top k tokens, or the whole vocabulary.
+    # (The whole-vocabulary pass only when some row has no top-k within the candidates.)
+    whole = jax.lax.cond(jnp.all(k_inside), lambda: jnp.zeros(scaled.shape[0], scaled.dtype),
+                         lambda: jax.nn.logsumexp(scaled, axis=-1))
+    normalizer = jnp.where(k_inside, jax.nn.logsumexp(topk_masked, axis=-1), whole)
+    kept, probs = _keep(top_logits, normalizer, sa)
+    decided = k_inside | ((sa.top_k <= 0) & (
+        ((sa.top_p < 1) & (jnp.sum(probs, axis=-1) >= sa.top_p))
+        | ((sa.min_p > 0) & (probs[:, -1] < sa.min_p * probs[:, 0]))))
+    return kept, top_ids, decided
 
 
 def _random_sample(logits, sa: SamplingArrays):
-    """Temperature + Gumbel-max; the full-vocabulary sort runs only when some row filters.
-    A row's token never depends on the other rows (same noise, same kept set)."""
+    """Temperature + Gumbel-max. Rows that filter (top-k, top-p, min-p) go through
+    `_filtered_sample`, the others take the argmax over the whole noisy vocabulary; each
+    part runs only when some random row needs it. A row's token never depends on the
+    other rows (same noise, same kept set)."""
     scaled = logits / jnp.maximum(sa.temperature, SAMPLING_EPS)[:, None]
-    noise = gumbel_noise(sa.seed, sa.output_index, logits.shape[-1])  # [S, V]
-    filters = jnp.any((sa.top_k > 0) | (sa.top_p < 1) | (sa.min_p > 0))
-    return jax.lax.cond(filters, lambda: _filtered_sample(scaled, noise, sa),
-                        lambda: jnp.argmax(scaled + noise, axis=-1))
+    random_rows = sa.temperature >= SAMPLING_EPS
+    filters = (sa.top_k > 0) | (sa.top_p < 1) | (sa.min_p > 0)
+    none = jnp.zeros(logits.shape[0], jnp.int32)
+    filtered = jax.lax.cond(jnp.any(filters & random_rows),
+                            lambda: _filtered_sample(scaled, sa, filters & random_rows),
+                            lambda: none)
+    plain = jax.lax.cond(
+        jnp.any(~filters & random_rows),
+        lambda: jnp.argmax(scaled + gumbel_noise(sa.seed, sa.output_index, logits.shape[-1]),
+                           axis=-1).astype(jnp.int32),
+        lambda: none)
+    return jnp.where(filters, filtered, plain)
 
 
 def apply_token_mask(logits, bits):

@@ -153,3 +153,26 @@ def test_gumbel_uniforms_stay_strictly_inside_zero_one():
     assert (u > 0).all() and (u < 1).all()
     noise = np.asarray(gumbel_noise(np.arange(8, dtype=np.uint32), np.zeros(8, np.int32), 4096))
     assert np.isfinite(noise).all()
+
+
+@pytest.mark.parametrize("peaked", [True, False])
+def test_candidate_filtering_keeps_what_the_full_sort_keeps(peaked):
+    """Over a vocabulary wider than NUM_CANDIDATES, top-k / top-p / min-p rows draw the same
+    token whether the candidates decide (peaked logits, as a trained model's) or the whole
+    vocabulary is sorted (flat logits: the candidates cannot hold top-p's mass)."""
+    from serving.sampler import NUM_CANDIDATES, _candidates, _filtered_sample, _sorted_sample
+    vocab, rows = 3 * NUM_CANDIDATES + 5, 48
+    rng = np.random.default_rng(3)
+    logits = rng.normal(size=(rows, vocab)) * (6.0 if peaked else 0.05)
+    params = [SamplingParams(temperature=0.8, top_p=0.9), SamplingParams(top_k=50),
+              SamplingParams(min_p=0.05), SamplingParams(top_k=40, top_p=0.5, min_p=0.01)]
+    entries = [SamplingEntry(params[i % 4], 100 + i, i, (), None, 0) for i in range(rows)]
+    sa = build_sampling_arrays(entries, rows, 16, vocab)
+    scaled = np.asarray(logits / sa.temperature[:, None], np.float32)
+    rows_mask = np.ones(rows, bool)
+    fast = jax.device_get(jax.jit(_filtered_sample)(scaled, sa, rows_mask))
+    full = jax.device_get(jax.jit(_sorted_sample)(scaled, sa))
+    np.testing.assert_array_equal(fast, full)
+    assert len(set(fast.tolist())) > 1
+    decided = np.asarray(jax.jit(_candidates)(scaled, sa)[2])
+    assert decided.all() if peaked else not decided[::4].any()  # flat: top-p rows fall back
