@@ -15,7 +15,8 @@ def test_pack_unpack_round_trips_every_leaf_bit_for_bit():
             "nan": np.array([np.nan, -0.0, np.inf], np.float32),
             "flag": np.array(True), "count": np.array(7, np.int32)}
     words = pack(tree)
-    assert words.dtype == np.int32 and words.shape == (packed_size(tree),) == (12 + 5 + 3 + 3 + 1 + 1,)
+    assert words.dtype == np.int32
+    assert words.shape == (packed_size(tree),) == (12 + 5 + 3 + 3 + 1 + 1,)
     template = jax.tree.map(lambda x: jax.ShapeDtypeStruct(x.shape, x.dtype), tree)
     out = jax.device_get(jax.jit(lambda w: unpack(w, template))(words))
     for name, leaf in tree.items():
