@@ -54,6 +54,8 @@ def dispatch(flat_ids: jax.Array, num_experts: int):
 
 # Above this many bytes of gathered expert weights the reference path sorts and uses
 # ragged_dot instead (which on CPU computes every group densely: E times the work).
+# Below it: one weight read per (token, slot) pair for small batches, per block of an
+# expert's pairs from 4 pairs per expert on.
 GATHER_LIMIT_BYTES = 1 << 26
 
 
@@ -71,6 +73,47 @@ def experts_gathered(x, ids, gate_up, down, top_k):
     y = jnp.einsum("mf,mfd->md", act, dequantize(at(down, flat), x.dtype), precision=hi,
                    preferred_element_type=jnp.float32).astype(x.dtype)  # [M, D]
     return y.reshape(x.shape[0], top_k, -1)
+
+
+def block_rows(num_pairs: int, num_experts: int) -> int:
+    """Rows per block of `experts_blocked`: about two blocks per expert, 4..64 rows."""
+    return max(4, min(64, num_pairs // (2 * num_experts)))
+
+
+def experts_blocked(x, ids, gate_up, down, top_k):
+    """Reference path for mid-size batches: pairs sorted by expert into blocks of B rows
+    (a block holds one expert's pairs), one weight read per block, batched matmuls.
+    Gathers at most M / B + E experts' weights where `experts_gathered` gathers M.
+    x: [T, D]; ids: int32[T, k] local expert ids; gate_up: [E, D, 2F]; down: [E, F, D]
+    (arrays or QuantizedWeights) -> [T, k, D]."""
+    flat = ids.reshape(-1)  # [M]
+    num_pairs, num_experts = flat.shape[0], gate_up.shape[0]
+    rows = block_rows(num_pairs, num_experts)
+    num_blocks = num_pairs // rows + num_experts  # sum_e ceil(count_e / B) <= this
+    order = jnp.argsort(flat, stable=True).astype(jnp.int32)
+    counts = jnp.sum(flat[:, None] == jnp.arange(num_experts)[None, :], axis=0,
+                     dtype=jnp.int32)  # [E]
+    pair_start = jnp.cumsum(counts) - counts  # first sorted pair of each expert
+    blocks = (counts + rows - 1) // rows
+    block_end = jnp.cumsum(blocks)  # one past each expert's last block
+    block = jnp.arange(num_blocks, dtype=jnp.int32)
+    expert = jnp.minimum(jnp.sum(block[:, None] >= block_end[None, :], axis=1,
+                                 dtype=jnp.int32), num_experts - 1)  # [nb]
+    first = pair_start[expert] + (block - (block_end - blocks)[expert]) * rows
+    index = first[:, None] + jnp.arange(rows, dtype=jnp.int32)[None, :]  # [nb, B]
+    real = (index < (pair_start + counts)[expert][:, None]) & (block < block_end[-1])[:, None]
+    pair = jnp.where(real, order[jnp.minimum(index, num_pairs - 1)], num_pairs)  # M: none
+    xb = x[jnp.minimum(pair, num_pairs - 1) // top_k]  # [nb, B, D]
+    hi = jax.lax.Precision.HIGHEST
+    h = jnp.einsum("nbd,ndf->nbf", xb, dequantize(at(gate_up, expert), x.dtype),
+                   precision=hi, preferred_element_type=jnp.float32)  # [nb, B, 2F]
+    ffn = h.shape[-1] // 2
+    act = (jax.nn.silu(h[..., :ffn]) * h[..., ffn:]).astype(x.dtype)
+    y = jnp.einsum("nbf,nfd->nbd", act, dequantize(at(down, expert), x.dtype), precision=hi,
+                   preferred_element_type=jnp.float32).astype(x.dtype)  # [nb, B, D]
+    out = jnp.zeros((num_pairs, x.shape[-1]), x.dtype).at[pair.reshape(-1)].set(
+        y.reshape(-1, x.shape[-1]), mode="drop")
+    return out.reshape(x.shape[0], top_k, -1)
 
 
 def experts_sorted(x, flat_ids, gate_up, down, layer, *, top_k, gmm):
@@ -103,10 +146,15 @@ def moe_local(x, valid, weights, ids, gate_up, down, layer=None, *, first_expert
     local_ids = ids - first_expert  # [T, k]
     mine = valid[:, None] & (local_ids >= 0) & (local_ids < num_local)
     combine = jnp.where(mine, weights, 0).astype(x.dtype)  # [T, k]
-    pair_bytes = num_tokens * top_k * 3 * dim * width // 2 * x.dtype.itemsize
-    if gather_ok and pair_bytes <= GATHER_LIMIT_BYTES:
-        y = experts_gathered(x, jnp.where(mine, local_ids, 0), at(gate_up, layer),
-                             at(down, layer), top_k)
+    num_pairs = num_tokens * top_k
+    expert_bytes = 3 * dim * width // 2 * x.dtype.itemsize
+    blocked = num_pairs >= 4 * num_local  # fewer weight reads than one per pair
+    num_reads = num_pairs // block_rows(num_pairs, num_local) + num_local if blocked \
+        else num_pairs
+    if gather_ok and num_reads * expert_bytes <= GATHER_LIMIT_BYTES:
+        experts = experts_blocked if blocked else experts_gathered
+        y = experts(x, jnp.where(mine, local_ids, 0), at(gate_up, layer), at(down, layer),
+                    top_k)
     else:
         flat = jnp.where(mine, local_ids, num_local).reshape(-1)  # [M]
         y = experts_sorted(x, flat, gate_up, down, layer, top_k=top_k, gmm=gmm)

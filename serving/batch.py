@@ -105,17 +105,24 @@ def build_model_inputs(scheduler_output: SchedulerOutput, token_buckets: Sequenc
 def _tokens_with_pending(scheduled, logits_index, prev_index, prev_rows) -> list[int]:
     """Known tokens, 0 in place of each pending one (whose prev_index is set)."""
     tokens: list[int] = []
+    rows, prev = [], []
     for i, s in enumerate(scheduled):
         request = s.request
         stop = s.start + s.num_new_tokens
-        known = min(stop, request.num_tokens)
-        tokens += request.tokens(s.start, known)
-        if stop > known:  # only the last token of a chunk can be pending
-            if stop - known != 1 or request.request_id not in prev_rows:
-                raise ValueError(f"request {request.request_id!r}: tokens {known}..{stop} "
-                                 "are not on the host and no step before sampled them")
-            tokens.append(0)
-            prev_index[logits_index[i]] = prev_rows[request.request_id]
+        known = request.num_tokens
+        if stop <= known:
+            tokens += request.tokens(s.start, stop)
+            continue
+        # only the last token of a chunk can be pending, and the step before sampled it
+        if stop - known != 1 or request.request_id not in prev_rows:
+            raise ValueError(f"request {request.request_id!r}: tokens {known}..{stop} "
+                             "are not on the host and no step before sampled them")
+        if known > s.start:
+            tokens += request.tokens(s.start, known)
+        tokens.append(0)
+        rows.append(i)
+        prev.append(prev_rows[request.request_id])
+    prev_index[logits_index[rows]] = prev
     return tokens
 
 

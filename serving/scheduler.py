@@ -77,6 +77,7 @@ class Scheduler:
                  clock: Callable[[], float] = time.monotonic):
         """`clock` must be the clock of the requests' arrival times (tests fake both)."""
         self.config = scheduler_config
+        self._max_model_len = scheduler_config.max_model_len  # None until resolved
         self.kv = kv_manager
         self.swap = swap or SwapManager()
         self.clock = clock
@@ -118,9 +119,10 @@ class Scheduler:
     def max_num_tokens(self, request: Request) -> int:
         """Length at which the request is capped (prompt + max_tokens, at most max_model_len)."""
         max_tokens = request.sampling_params.max_tokens
+        limit = self._max_model_len or self.config.resolved_max_model_len
         if max_tokens is None:
-            return self.config.resolved_max_model_len
-        return min(request.num_prompt_tokens + max_tokens, self.config.resolved_max_model_len)
+            return limit
+        return min(len(request.prompt_token_ids) + max_tokens, limit)
 
     def is_length_capped(self, request: Request) -> bool:
         return request.num_tokens >= self.max_num_tokens(request)
