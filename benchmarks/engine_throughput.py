@@ -155,12 +155,13 @@ class _StepRecorder:
 
 
 def engine_modes(llm, prompts, output_lens, max_num_seqs):
-    """Each mode with the overlapped loop, and continuous batching also serially."""
-    modes = {"continuous": (len(prompts), False, True),
-             "continuous_serial_loop": (len(prompts), False, False),
-             "one_at_a_time": (1, False, True),
-             "static_batches": (max_num_seqs, False, True),
-             "static_batches_padded": (max_num_seqs, True, True)}
+    """Each mode with the default loop (serial on a CPU backend), and continuous batching
+    also with the overlapped loop."""
+    modes = {"continuous": (len(prompts), False, None),
+             "continuous_overlapped_loop": (len(prompts), False, True),
+             "one_at_a_time": (1, False, None),
+             "static_batches": (max_num_seqs, False, None),
+             "static_batches_padded": (max_num_seqs, True, None)}
     results, tokens = {}, {}
     compiles_before = llm.stats()["num_compiles"]
     engine = llm.llm_engine
@@ -168,6 +169,7 @@ def engine_modes(llm, prompts, output_lens, max_num_seqs):
     for name, (batch_size, pad, overlap) in modes.items():
         engine.step = device = _StepRecorder(engine)
         engine.scheduler_config = dataclasses.replace(config, async_scheduling=overlap)
+        overlapped = engine.async_scheduling
         try:
             seconds, ids, ttfts, since_submit = run_engine_batches(
                 llm, prompts, output_lens, batch_size, pad)
@@ -183,7 +185,7 @@ def engine_modes(llm, prompts, output_lens, max_num_seqs):
             "num_steps": len(device.seconds),
             "device_step_ms_mean": round(1e3 * statistics.fmean(device.seconds), 2),
             "host_share_of_wall": round(1 - sum(device.seconds) / seconds, 3),
-            "overlapped_loop": overlap})
+            "overlapped_loop": overlapped})
     stats = llm.stats()
     checks = {"compiles_while_timed": stats["num_compiles"] - compiles_before,
               "pages_leaked": stats["num_total_pages"] - stats["num_free_pages"],

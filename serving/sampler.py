@@ -301,34 +301,44 @@ def token_logprobs(logprobs: jax.Array, tokens: jax.Array) -> TokenLogprobs:
 
 
 def sample(logits: jax.Array, sa: SamplingArrays) -> SamplerOutput:
-    """logits: f32[S, V] -> sampled ids and logprobs of the raw distribution. The grammar
-    mask of constrained rows (structured outputs) applies only when it is active."""
+    """logits: f32[S, V] -> sampled ids and logprobs of the raw distribution.
+
+    Every vocabulary-wide part runs under `lax.cond`, only in steps where some row needs
+    it: the grammar mask (structured outputs), the min_tokens block, penalties, random
+    sampling, logprobs. The branches return tokens, not logits, so a step that needs
+    none of them never copies the [S, V] logits."""
     num_seqs, vocab = logits.shape
-    raw = logits  # logprobs are of the raw distribution, before any processing
     mask = sa.token_mask
-    if mask is not None:
-        logits = jax.lax.cond(mask.active, lambda: apply_token_mask(logits, mask.bits),
-                              lambda: logits)
-    rows = jnp.broadcast_to(jnp.arange(num_seqs)[:, None], sa.blocked_ids.shape)
-    blocked = jnp.where(sa.blocked_ids >= 0, sa.blocked_ids, vocab)
-    logits = jax.lax.cond(jnp.any(sa.blocked_ids >= 0),
-                          lambda: logits.at[rows, blocked].set(-jnp.inf, mode="drop"),
-                          lambda: logits)
-    # Branches at run time: batches without penalties or without random sampling skip
-    # the [S, V] scatter and the full-vocabulary sort.
+    masked = jnp.bool_(False) if mask is None else mask.active
+    blocks = jnp.any(sa.blocked_ids >= 0)
     any_penalty = jnp.any((sa.presence_penalty != 0) | (sa.frequency_penalty != 0)
                           | (sa.repetition_penalty != 1))
-    logits = jax.lax.cond(any_penalty, lambda: _apply_penalties(logits, sa), lambda: logits)
-    greedy = jnp.argmax(logits, axis=-1)
-    all_greedy = jnp.all(sa.temperature < SAMPLING_EPS)
-    token = jax.lax.cond(
-        all_greedy, lambda: greedy,
-        lambda: jnp.where(sa.temperature < SAMPLING_EPS, greedy, _random_sample(logits, sa)))
-    # Log-softmax and the top-20 run only in steps where some row asked for logprobs.
+
+    def processed():
+        out = logits
+        if mask is not None:
+            out = jax.lax.cond(mask.active, lambda: apply_token_mask(out, mask.bits),
+                               lambda: out)
+        rows = jnp.broadcast_to(jnp.arange(num_seqs)[:, None], sa.blocked_ids.shape)
+        blocked = jnp.where(sa.blocked_ids >= 0, sa.blocked_ids, vocab)
+        out = out.at[rows, blocked].set(-jnp.inf, mode="drop")
+        out = jax.lax.cond(any_penalty, lambda: _apply_penalties(out, sa), lambda: out)
+        return _pick(out, sa)
+
+    token = jax.lax.cond(masked | blocks | any_penalty, processed, lambda: _pick(logits, sa))
+    # Log-softmax and the top-20 of the raw distribution, only when some row asked.
     logprobs = jax.lax.cond(
-        sa.want_logprobs, lambda: token_logprobs(jax.nn.log_softmax(raw, axis=-1), token),
+        sa.want_logprobs, lambda: token_logprobs(jax.nn.log_softmax(logits, axis=-1), token),
         lambda: _no_logprobs(num_seqs, min(NUM_TOP_LOGPROBS, vocab)))
-    return SamplerOutput(token_ids=token.astype(jnp.int32), logprobs=logprobs)
+    return SamplerOutput(token_ids=token, logprobs=logprobs)
+
+
+def _pick(logits, sa: SamplingArrays):
+    """Greedy rows' argmax; random sampling only when some row samples."""
+    greedy = jnp.argmax(logits, axis=-1).astype(jnp.int32)
+    return jax.lax.cond(
+        jnp.all(sa.temperature < SAMPLING_EPS), lambda: greedy,
+        lambda: jnp.where(sa.temperature < SAMPLING_EPS, greedy, _random_sample(logits, sa)))
 
 
 def _no_logprobs(num_rows: int, num_top: int) -> TokenLogprobs:

@@ -150,10 +150,11 @@ def test_abort_mid_stream(tiny_ckpt, compile_cache):
 
 def test_default_model_chat_is_identical(compile_cache):
     args = {**ARGS, "max_model_len": 256, "compilation_cache_dir": compile_cache}
-    serial, fast = LLM(async_scheduling=False, **args), LLM(**args)
+    serial, fast = LLM(**args), LLM(async_scheduling=True, **args)  # CPU default: serial
     conversations = [[{"role": "user", "content": f"What is {a} plus {b}?"}]
                      for a, b in ((3, 4), (12, 30), (7, 7), (101, 9))]
     params = SamplingParams(temperature=0.0, max_tokens=24)
     assert results(fast.chat(conversations, params)) == results(
         serial.chat(conversations, params))
     assert fast.stats()["num_overlapped_steps"] > 0
+    assert serial.stats()["num_overlapped_steps"] == 0
