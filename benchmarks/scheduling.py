@@ -73,7 +73,7 @@ def parse_args(argv=None):
     m.add_argument("--long-fraction", type=float, default=0.2)
     m.add_argument("--output-len", type=int, default=32)
     m.add_argument("--load", type=float, default=0.8, help="fraction of measured capacity")
-    m.add_argument("--rounds", type=int, default=2, help="workload runs per server")
+    m.add_argument("--rounds", type=int, default=3, help="workload runs per server")
     m.add_argument("--policy-flags", default="",
                    help="extra serve flags for the length-aware server")
     m.add_argument("--skip-mixed", action="store_true")
@@ -258,10 +258,17 @@ def run_mixed(args, logdir: str) -> dict:
     out["length_aware_vs_fcfs"] = ratios(out["policies"]["fcfs"],
                                          out["policies"]["length-aware"])
     out["length_aware_vs_fcfs"]["per_round"] = [
-        {k: v for k, v in ratios(summarize_runs([f], workload),
-                                 summarize_runs([la], workload)).items() if k != "targets_met"}
+        round_ratios(summarize_runs([f], workload), summarize_runs([la], workload))
         for f, la in zip(runs["fcfs"], runs["length-aware"])]
     return out
+
+
+def round_ratios(fcfs: dict, la: dict) -> dict:
+    """One round's ratios, with the short p99 TTFTs they come from."""
+    r = {k: v for k, v in ratios(fcfs, la).items() if k != "targets_met"}
+    r["short_ttft_p99_s"] = {"fcfs": fcfs["short"]["ttft_p99_s"],
+                             "length-aware": la["short"]["ttft_p99_s"]}
+    return r
 
 
 def ratios(fcfs: dict, la: dict) -> dict:
