@@ -13,7 +13,9 @@
    ones 0 (what `priority` orders by; the other policies ignore it). Per policy, over all
    rounds: p50/p99 TTFT and E2E of short and of long requests, the longest wait (TTFT:
    arrival to first token) of any request, throughput; then length-aware / fcfs ratios
-   against the issue's targets, pooled and per round.
+   against the issue's targets, pooled and per round. `--with-capped-fcfs` adds an fcfs
+   server with length-aware's prefill cap, to tell what the cap buys from what the
+   order does.
 2. Pressure: a small KV pool (`--pressure-pages`) and `--pressure-requests` long
    contexts sent at once, so running requests outgrow the pool and get preempted:
    recompute (`--swap-space 0`) vs swap (`--swap-space 1 --swap-min-tokens 0`), with the
@@ -76,6 +78,9 @@ def parse_args(argv=None):
     m.add_argument("--rounds", type=int, default=3, help="workload runs per server")
     m.add_argument("--policy-flags", default="",
                    help="extra serve flags for the length-aware server")
+    m.add_argument("--with-capped-fcfs", action="store_true",
+                   help="also an fcfs server with length-aware's prefill cap "
+                        "(--long-prefill-token-threshold 128 --max-long-partial-prefills 1)")
     m.add_argument("--skip-mixed", action="store_true")
     r = p.add_argument_group("pressure run")
     r.add_argument("--pressure-requests", type=int, default=8)
@@ -228,9 +233,19 @@ def measure_capacity(server: Server, args) -> float:
     return sum(r.success for r in results) / seconds
 
 
-def policy_flags(args, policy: str) -> list[str]:
-    flags = ["--scheduling-policy", policy]
-    return flags + (args.policy_flags.split() if policy == "length-aware" else [])
+CAPPED_FCFS = "fcfs+prefill-cap"  # fcfs with length-aware's prefill cap: what order adds
+
+
+def servers_to_compare(args) -> list[tuple[str, list[str]]]:
+    """(name, serve flags) of each server of the mixed run."""
+    out = [(policy, ["--scheduling-policy", policy]
+            + (args.policy_flags.split() if policy == "length-aware" else []))
+           for policy in POLICIES]
+    if args.with_capped_fcfs:
+        out.append((CAPPED_FCFS, ["--scheduling-policy", "fcfs",
+                                  "--long-prefill-token-threshold", "128",
+                                  "--max-long-partial-prefills", "1"]))
+    return out
 
 
 def run_mixed(args, logdir: str) -> dict:
@@ -239,22 +254,24 @@ def run_mixed(args, logdir: str) -> dict:
         "requests": len(workload), "long": sum(k for _, k in workload),
         "short_len": args.short_len, "long_len": args.long_len, "output_len": args.output_len,
         "load": args.load, "rounds": args.rounds}, "policies": {}}
+    configs = servers_to_compare(args)
+    names = [name for name, _ in configs]
     servers: dict[str, Server] = {}
-    runs: dict[str, list] = {policy: [] for policy in POLICIES}
+    runs: dict[str, list] = {name: [] for name in names}
     try:
-        for policy in POLICIES:
-            servers[policy] = start_server(args, policy, policy_flags(args, policy), logdir)
+        for name, flags in configs:
+            servers[name] = start_server(args, name, flags, logdir)
         out["capacity_requests_per_s"] = round(measure_capacity(servers["fcfs"], args), 3)
         rate = args.load * out["capacity_requests_per_s"]
         out["request_rate"] = round(rate, 3)
         for i in range(args.rounds):
-            for policy in POLICIES if i % 2 == 0 else POLICIES[::-1]:
-                runs[policy].append(load_run(servers[policy], workload, rate, args.seed))
+            for name in names if i % 2 == 0 else names[::-1]:
+                runs[name].append(load_run(servers[name], workload, rate, args.seed))
     finally:
         for server in servers.values():
             server.stop()
-    for policy in POLICIES:
-        out["policies"][policy] = summarize_runs(runs[policy], workload)
+    for name in names:
+        out["policies"][name] = summarize_runs(runs[name], workload)
     out["length_aware_vs_fcfs"] = ratios(out["policies"]["fcfs"],
                                          out["policies"]["length-aware"])
     out["length_aware_vs_fcfs"]["per_round"] = [
