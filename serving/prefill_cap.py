@@ -41,9 +41,9 @@ class PrefillCap:
         requests are in one (those always get their chunk)."""
         if self.limit is None or not self.is_long(num_left):
             return False
-        return sum(self.is_long(r.num_tokens_with_pending - r.num_computed_tokens)
-                   for r in running) \
-            >= self.limit
+        num_long = sum(self.is_long(r.num_tokens_with_pending - r.num_computed_tokens)
+                       for r in running)
+        return num_long >= self.limit
 
     def trim(self, scheduled: Sequence[ScheduledSeq]) -> int:
         """Shorten the long partial prefills' chunks (latest first) so the step pads to

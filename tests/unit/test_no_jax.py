@@ -8,7 +8,8 @@ MODULES = ["serving.request", "serving.page_pool", "serving.kv_cache_manager",
            "serving.reasoning", "serving.detokenizer", "serving.output_processor",
            "serving.step_cost", "serving.http_policy", "serving.policies",
            "serving.degradation", "serving.swap", "serving.prefill_cap", "qwen_jax.options",
-           "qwen_jax.validation", "qwen_jax.quantization", "serving.tool_parsers", "serving.chat_reply",
+           "qwen_jax.validation", "qwen_jax.quantization", "serving.tool_parsers",
+           "serving.chat_reply",
            "serving.structured", "serving.structured_params", "serving.openai_structured"]
 
 
