@@ -3,14 +3,19 @@
     PYTHONPATH=. python benchmarks/scheduling.py [--model DIR] [--out FILE]
 
 1. Mixed workload: `--long-fraction` (20%) of prompts of about `--long-len` tokens, the
-   rest about `--short-len`, `--output-len` tokens each (greedy, `ignore_eos`). Capacity
-   is measured first on the fcfs server (the whole mix sent at once, requests/s); then
-   the same requests arrive as a Poisson process at `--load` (80%) of it, against one
-   `qwen-jax serve` per policy (fcfs, priority, length-aware; same engine options, run
-   one after another). Long prompts are sent with priority 1 and short ones 0 (what
-   `priority` orders by; the other policies ignore it). Per policy: p50/p99 TTFT and
-   E2E of short and of long requests, the longest wait (TTFT: arrival to first token) of
-   any request, throughput; then length-aware / fcfs ratios against the issue's targets.
+   rest about `--short-len`, `--output-len` tokens each (greedy, `ignore_eos`). One
+   `qwen-jax serve` per policy (fcfs, priority, length-aware with its defaults; same
+   engine options), all started first. Capacity is measured on the fcfs server (the
+   whole mix sent at once, requests/s); then the same requests arrive as a Poisson
+   process at `--load` (80%) of it, against each server in turn, for `--rounds` rounds
+   (the order reversed every other round, so a machine busy with something else for a
+   while weighs on every policy alike). Long prompts are sent with priority 1 and short
+   ones 0 (what `priority` orders by; the other policies ignore it). Per policy, over all
+   rounds: p50/p99 TTFT and E2E of short and of long requests, the longest wait (TTFT:
+   arrival to first token) of any request, throughput; then length-aware / fcfs ratios
+   against the issue's targets, pooled and per round. `--with-capped-fcfs` adds an fcfs
+   server with length-aware's prefill cap, to tell what the cap buys from what the
+   order does.
 2. Pressure: a small KV pool (`--pressure-pages`) and `--pressure-requests` long
    contexts sent at once, so running requests outgrow the pool and get preempted:
    recompute (`--swap-space 0`) vs swap (`--swap-space 1 --swap-min-tokens 0`), with the
@@ -61,7 +66,7 @@ def parse_args(argv=None):
     p.add_argument("--startup-timeout", type=float, default=600)
     p.add_argument("--logdir", help="keep the servers' logs here (default: a temp dir)")
     add_engine_options(p, "engine (every server)", max_num_seqs=16, max_num_batched_tokens=512,
-                       max_model_len=1024, token_buckets="16,64,256,512", seq_buckets="16")
+                       max_model_len=1024, token_buckets="16,64,128,256,512", seq_buckets="16")
     m = p.add_argument_group("mixed workload")
     m.add_argument("--num-requests", type=int, default=160)
     m.add_argument("--capacity-requests", type=int, default=40)
@@ -70,8 +75,12 @@ def parse_args(argv=None):
     m.add_argument("--long-fraction", type=float, default=0.2)
     m.add_argument("--output-len", type=int, default=32)
     m.add_argument("--load", type=float, default=0.8, help="fraction of measured capacity")
+    m.add_argument("--rounds", type=int, default=3, help="workload runs per server")
     m.add_argument("--policy-flags", default="",
                    help="extra serve flags for the length-aware server")
+    m.add_argument("--with-capped-fcfs", action="store_true",
+                   help="also an fcfs server with length-aware's prefill cap "
+                        "(--long-prefill-token-threshold 128 --max-long-partial-prefills 1)")
     m.add_argument("--skip-mixed", action="store_true")
     r = p.add_argument_group("pressure run")
     r.add_argument("--pressure-requests", type=int, default=8)
@@ -189,14 +198,29 @@ def summarize(results, workload, seconds: float) -> dict:
 
 
 def run_load(server: Server, workload, rate: float, seed: int) -> dict:
+    return summarize_runs([load_run(server, workload, rate, seed)], workload)
+
+
+def load_run(server: Server, workload, rate: float, seed: int) -> tuple:
+    """(results, seconds, counter increments) of one pass of the workload."""
     before = scrape(server.url)
     results, seconds = asyncio.run(drive(server.url, server.model, workload, rate, seed))
     after = scrape(server.url)
-    summary = summarize(results, workload, seconds)
-    for name in ("num_preemptions_total", "scheduler_priority_boosts_total",
-                 "num_swap_outs_total", "num_recomputed_tokens_total"):
-        key = "qwen_jax:" + name
-        summary[name] = after.get(key, 0) - before.get(key, 0)
+    counters = {name: after.get("qwen_jax:" + name, 0) - before.get("qwen_jax:" + name, 0)
+                for name in COUNTERS}
+    return results, seconds, counters
+
+
+COUNTERS = ("num_preemptions_total", "scheduler_priority_boosts_total",
+            "num_swap_outs_total", "num_recomputed_tokens_total")
+
+
+def summarize_runs(runs: list[tuple], workload) -> dict:
+    """Percentiles over every run's requests together; seconds and counters summed."""
+    summary = summarize([r for results, _, _ in runs for r in results], workload * len(runs),
+                        sum(seconds for _, seconds, _ in runs))
+    for name in COUNTERS:
+        summary[name] = sum(counters[name] for _, _, counters in runs)
     return summary
 
 
@@ -209,9 +233,19 @@ def measure_capacity(server: Server, args) -> float:
     return sum(r.success for r in results) / seconds
 
 
-def policy_flags(args, policy: str) -> list[str]:
-    flags = ["--scheduling-policy", policy]
-    return flags + (args.policy_flags.split() if policy == "length-aware" else [])
+CAPPED_FCFS = "fcfs+prefill-cap"  # fcfs with length-aware's prefill cap: what order adds
+
+
+def servers_to_compare(args) -> list[tuple[str, list[str]]]:
+    """(name, serve flags) of each server of the mixed run."""
+    out = [(policy, ["--scheduling-policy", policy]
+            + (args.policy_flags.split() if policy == "length-aware" else []))
+           for policy in POLICIES]
+    if args.with_capped_fcfs:
+        out.append((CAPPED_FCFS, ["--scheduling-policy", "fcfs",
+                                  "--long-prefill-token-threshold", "128",
+                                  "--max-long-partial-prefills", "1"]))
+    return out
 
 
 def run_mixed(args, logdir: str) -> dict:
@@ -219,21 +253,39 @@ def run_mixed(args, logdir: str) -> dict:
     out: dict = {"workload": {
         "requests": len(workload), "long": sum(k for _, k in workload),
         "short_len": args.short_len, "long_len": args.long_len, "output_len": args.output_len,
-        "load": args.load}, "policies": {}}
-    rate = None
-    for policy in POLICIES:
-        server = start_server(args, policy, policy_flags(args, policy), logdir)
-        try:
-            if rate is None:
-                out["capacity_requests_per_s"] = round(measure_capacity(server, args), 3)
-                rate = args.load * out["capacity_requests_per_s"]
-                out["request_rate"] = round(rate, 3)
-            out["policies"][policy] = run_load(server, workload, rate, args.seed)
-        finally:
+        "load": args.load, "rounds": args.rounds}, "policies": {}}
+    configs = servers_to_compare(args)
+    names = [name for name, _ in configs]
+    servers: dict[str, Server] = {}
+    runs: dict[str, list] = {name: [] for name in names}
+    try:
+        for name, flags in configs:
+            servers[name] = start_server(args, name, flags, logdir)
+        out["capacity_requests_per_s"] = round(measure_capacity(servers["fcfs"], args), 3)
+        rate = args.load * out["capacity_requests_per_s"]
+        out["request_rate"] = round(rate, 3)
+        for i in range(args.rounds):
+            for name in names if i % 2 == 0 else names[::-1]:
+                runs[name].append(load_run(servers[name], workload, rate, args.seed))
+    finally:
+        for server in servers.values():
             server.stop()
+    for name in names:
+        out["policies"][name] = summarize_runs(runs[name], workload)
     out["length_aware_vs_fcfs"] = ratios(out["policies"]["fcfs"],
                                          out["policies"]["length-aware"])
+    out["length_aware_vs_fcfs"]["per_round"] = [
+        round_ratios(summarize_runs([f], workload), summarize_runs([la], workload))
+        for f, la in zip(runs["fcfs"], runs["length-aware"])]
     return out
+
+
+def round_ratios(fcfs: dict, la: dict) -> dict:
+    """One round's ratios, with the short p99 TTFTs they come from."""
+    r = {k: v for k, v in ratios(fcfs, la).items() if k != "targets_met"}
+    r["short_ttft_p99_s"] = {"fcfs": fcfs["short"]["ttft_p99_s"],
+                             "length-aware": la["short"]["ttft_p99_s"]}
+    return r
 
 
 def ratios(fcfs: dict, la: dict) -> dict:

@@ -73,6 +73,13 @@ def add_scheduling_args(parser: argparse.ArgumentParser) -> None:
     g.add_argument("--short-preempt-wait", type=float, default=0.5,
                    help="seconds a short request waits before a running long request that "
                    "ranks below it is preempted for it (length-aware; 0.5)")
+    g.add_argument("--long-prefill-token-threshold", type=int, default=None,
+                   help="most prefill tokens one request gets in a step, so a long prompt's "
+                   "chunks keep steps short for requests arriving meanwhile (vLLM's option); "
+                   "0: no cap (default: the short bound under length-aware, 0 otherwise)")
+    g.add_argument("--max-long-partial-prefills", type=int, default=None,
+                   help="most requests with more prefill left than that cap computing a chunk "
+                   "in one step (vLLM's option; default: 1 under length-aware, any otherwise)")
     g.add_argument("--boost-wait", type=float, default=0.2,
                    help="queue wait in seconds after which a request is boosted one level "
                    "(priority, length-aware; 0.2)")
@@ -109,9 +116,10 @@ def add_parallel_args(parser: argparse.ArgumentParser) -> None:
 
 
 SCHEDULING_ARG_NAMES = (
-    "policy", "length_buckets", "aging_interval", "short_preempt_wait", "boost_wait",
-    "watermark", "kv_plan_limit", "degrade_kv_usage", "degrade_after", "restore_kv_usage",
-    "restore_after", "degraded_token_fraction", "swap_space", "swap_min_tokens")
+    "policy", "length_buckets", "aging_interval", "short_preempt_wait",
+    "long_prefill_token_threshold", "max_long_partial_prefills", "boost_wait", "watermark",
+    "kv_plan_limit", "degrade_kv_usage", "degrade_after", "restore_kv_usage", "restore_after",
+    "degraded_token_fraction", "swap_space", "swap_min_tokens")
 ENGINE_ARG_NAMES = (
     "tokenizer", "dtype", "impl", "load_format", "quantization", "seed", "max_num_seqs",
     "max_num_batched_tokens", "max_model_len", "block_size", "num_gpu_blocks_override",

@@ -8,7 +8,7 @@ import functools
 from qwen_jax.options import KV_CACHE_DTYPES
 from qwen_jax.validation import require
 from serving.buckets import MIN_SEQ_BUCKET, make_buckets, make_token_buckets
-from serving.policies import POLICIES
+from serving.policies import LENGTH_AWARE, POLICIES
 from serving.reasoning import reasoning_parser_class
 from serving.tool_parsers import tool_parser_class
 
@@ -60,6 +60,12 @@ class SchedulerConfig:
     length_buckets: tuple[int, ...] = (128, 512)  # prompt tokens: short < 128 <= medium < 512
     aging_interval: float = 1.0  # seconds of waiting worth one length bucket (length-aware)
     short_preempt_wait: float = 0.5  # s a short request waits before a long one is preempted
+    # Most prefill tokens one request gets in a step (vLLM's name); 0: no cap; None: the
+    # short bound (length_buckets[0]) under length-aware, no cap under the others.
+    long_prefill_token_threshold: int | None = None
+    # Most requests with more prefill tokens left than that cap computing a chunk in one
+    # step (vLLM's name); None: 1 under length-aware, any number under the others.
+    max_long_partial_prefills: int | None = None
     boost_wait: float = 0.2  # s of queue wait after which a request is boosted one level
     kv_plan_limit: float = 0.92  # admission plans at most this fraction of KV pages; 1: off
     # Auto-degradation (serving/degradation.py); an `inf` duration turns it off.
@@ -105,6 +111,11 @@ class SchedulerConfig:
         for name in ("short_preempt_wait", "boost_wait", "degrade_after", "restore_after"):
             require(getattr(self, name) >= 0, name, getattr(self, name),
                     ">= 0 seconds (inf: never)")
+        require(self.long_prefill_token_threshold is None
+                or self.long_prefill_token_threshold >= 0, "long_prefill_token_threshold",
+                self.long_prefill_token_threshold, ">= 0 tokens (0: no cap) or None")
+        require(self.max_long_partial_prefills is None or self.max_long_partial_prefills >= 1,
+                "max_long_partial_prefills", self.max_long_partial_prefills, ">= 1 or None")
         require(0 < self.kv_plan_limit <= 1, "kv_plan_limit", self.kv_plan_limit, "in (0, 1]")
         require(0 < self.degrade_kv_usage <= 1, "degrade_kv_usage", self.degrade_kv_usage,
                 "in (0, 1]")
@@ -126,6 +137,24 @@ class SchedulerConfig:
         if self.seq_buckets is not None:
             return self.seq_buckets
         return tuple(make_buckets(self.max_num_seqs, minimum=MIN_SEQ_BUCKET))
+
+    @property
+    def prefill_chunk_cap(self) -> int | None:
+        """Most prefill tokens one request gets in a step; None: only the budget limits it."""
+        threshold = self.long_prefill_token_threshold
+        if threshold is None:
+            threshold = self.length_buckets[0] if self.policy == LENGTH_AWARE else 0
+        return threshold or None
+
+    @property
+    def long_partial_prefill_limit(self) -> int | None:
+        """Most requests with more than prefill_chunk_cap tokens left prefilled in a step;
+        None: no limit."""
+        if self.prefill_chunk_cap is None:
+            return None
+        if self.max_long_partial_prefills is None and self.policy == LENGTH_AWARE:
+            return 1
+        return self.max_long_partial_prefills
 
     @property
     def resolved_max_model_len(self) -> int:

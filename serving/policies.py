@@ -13,7 +13,10 @@ for medium ones, none for short ones: short requests are first come, first serve
 Once a request has waited two intervals, only requests that arrived before it can still
 be admitted ahead of it, so no stream of later arrivals starves it. (Admission is in
 strict key order: the queue's head blocks the rest, and a running request is preempted
-for a waiting one only if it ranks below it.)
+for a waiting one only if it ranks below it.) One exception, by design: a prompt that
+waits for a long-prefill slot (serving/scheduler.py) lets the requests behind it that
+need none go first; among those that need one the order and the bound hold, and a
+slot frees as soon as a running prompt has less than one capped chunk left.
 
 A queue-wait boost (`boost_wait`, see serving/degradation.py) raises a request by one
 level: under priority its priority value counts one lower, under length-aware its key
@@ -100,6 +103,9 @@ class WaitingQueue:
 
     def __iter__(self) -> Iterator[Request]:
         return iter(self._items)
+
+    def __getitem__(self, index: int) -> Request:
+        return self._items[index]
 
     @property
     def head(self) -> Request:

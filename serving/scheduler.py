@@ -14,6 +14,9 @@ memory when swap space allows (serving/swap.py), else recomputed later.
 Length-aware extras: a running request's prefill chunk waits behind waiting requests
 that rank above it (it gets the budget they leave), and a short request that waited
 past `short_preempt_wait` may take the place of a running long one that ranks below it.
+The prefill cap (serving/prefill_cap.py; by default under length-aware only) bounds
+each request's chunk and how many long prompts prefill at once: a long prompt waiting
+for that slot keeps its place while the requests behind it that need none are admitted.
 Self-protection (serving/degradation.py) sets the step's budget and admission headroom.
 """
 
@@ -26,7 +29,9 @@ from collections.abc import Callable
 from serving.config import SchedulerConfig
 from serving.degradation import KVPressure, QueueWaitBoost
 from serving.kv_cache_manager import KVCacheManager, cdiv
+from serving.page_pool import Page
 from serving.policies import LONG, SHORT, OrderPolicy, WaitingQueue
+from serving.prefill_cap import PrefillCap
 from serving.request import Request, RequestStatus
 from serving.swap import SwapManager
 
@@ -81,6 +86,7 @@ class Scheduler:
         self.kv = kv_manager
         self.swap = swap or SwapManager()
         self.clock = clock
+        self.prefill_cap = PrefillCap(scheduler_config)
         self.policy = OrderPolicy(scheduler_config.policy, scheduler_config.length_buckets,
                                   scheduler_config.aging_interval)
         self.pressure = KVPressure(scheduler_config)
@@ -170,6 +176,7 @@ class Scheduler:
             # Admitting after a preemption would only thrash the pages just freed.
             self._schedule_waiting(step, now)
         self._schedule_deferred(step)
+        step.budget += self.prefill_cap.trim(list(step.scheduled.values()))
         return SchedulerOutput(scheduled=list(step.scheduled.values()),
                                preempted=step.preempted, swap_out=step.swap_out,
                                swap_in=step.swap_in, host_pages_freed=self.swap.take_released())
@@ -194,19 +201,24 @@ class Scheduler:
             if num_left > 1 and head is not None and self.policy.yields_to(request, head):
                 step.deferred.append(request)  # its prefill gets what admissions leave
                 continue
-            num_new = min(num_left, step.budget)
+            num_new = self.prefill_cap.chunk(num_left, step.budget)
             if self._allocate_or_preempt(request, num_new, step):
                 step.add(request, num_new, request.num_computed_tokens)
 
-    def _schedule_deferred(self, step: _Step) -> None:
-        """Prefill chunks that yielded to waiting requests; never preempts for them."""
-        for request in step.deferred:
+    def _schedule_deferred(self, step: _Step, head: Request | None = None) -> None:
+        """Prefill chunks that yielded to waiting requests, once those that rank above them
+        are admitted: the ones that rank no lower than `head` (all when None). Never
+        preempts."""
+        for request in list(step.deferred):
             if step.budget == 0:
                 break
+            if head is not None and self.policy.key(request) > self.policy.key(head):
+                continue
+            step.deferred.remove(request)
             if request.status != RequestStatus.RUNNING:
                 continue  # preempted for a short request
-            num_new = min(request.num_tokens_with_pending - request.num_computed_tokens,
-                          step.budget)
+            num_new = self.prefill_cap.chunk(
+                request.num_tokens_with_pending - request.num_computed_tokens, step.budget)
             if self.kv.allocate_slots(request, num_new):
                 step.add(request, num_new, request.num_computed_tokens)
 
@@ -246,24 +258,36 @@ class Scheduler:
         self.kv.free(request)
 
     def _schedule_waiting(self, step: _Step, now: float) -> None:
+        """Admit in the queue's order until one cannot be admitted; a long prompt waiting
+        for a long-prefill slot stays in its place and the ones behind it go on."""
         growth = self._next_token_growth(self.running, step)
-        while self.waiting and step.budget > 0:
-            request = self.waiting.head
+        num_skipped = 0
+        while len(self.waiting) > num_skipped and step.budget > 0:
+            request = self.waiting[num_skipped]
             if request.request_id in step.preempted or request.num_pending_tokens:
                 # preempted in this step: resuming it now would only thrash (and its
                 # last sampled token is not on the host yet)
                 break
-            if self._try_admit(request, step, growth):
+            self._schedule_deferred(step, head=request)
+            if step.budget == 0:
+                break
+            saved = self.swap.num_saved_tokens(request.request_id)
+            hits, num_cached = ([], saved) if saved else self.kv.get_computed_pages(request)
+            if self.prefill_cap.waits_for_slot(request.num_tokens - num_cached, self.running):
+                num_skipped += 1
+            elif self._try_admit(request, step, growth, hits, num_cached):
                 growth += self._next_token_growth([request], step)
             elif not self._preempt_for_short(request, step, now):
                 break
 
-    def _try_admit(self, request: Request, step: _Step, growth: int) -> bool:
+    def _try_admit(self, request: Request, step: _Step, growth: int, hits: list[Page],
+                   num_cached: int) -> bool:
+        """Admit with `num_cached` tokens already computed: prefix-cache `hits`, or as many
+        saved in host memory (no hits) for a swapped-out request."""
         if len(self.running) >= self.config.max_num_seqs:
             return False
         saved = self.swap.num_saved_tokens(request.request_id)
-        hits, num_cached = ([], saved) if saved else self.kv.get_computed_pages(request)
-        num_new = min(request.num_tokens - num_cached, step.budget)
+        num_new = self.prefill_cap.chunk(request.num_tokens - num_cached, step.budget)
         # The headroom protects running requests' growth; with none running it could
         # only keep a large request waiting forever.
         reserved = self._admission_reserve(growth) if self.running else 0
@@ -273,7 +297,7 @@ class Scheduler:
             ok = self.kv.allocate_slots(request, num_new, hits, num_reserved_pages=reserved)
         if not ok:
             return False
-        self.waiting.popleft()
+        self.waiting.remove(request)
         if saved:
             step.swap_in += self.swap.swap_in(
                 request.request_id, request.page_ids[:cdiv(saved, self.kv.page_size)])

@@ -15,12 +15,15 @@ def test_serve_accepts_the_scheduling_options():
     args = build_parser().parse_args([
         "serve", "--scheduling-policy", "length-aware", "--length-buckets", "64,256",
         "--aging-interval", "2", "--short-preempt-wait", "inf", "--boost-wait", "0.5",
+        "--long-prefill-token-threshold", "64", "--max-long-partial-prefills", "2",
         "--kv-plan-limit", "0.9", "--degrade-after", "10", "--restore-after", "5",
         "--degraded-token-fraction", "0.25", "--swap-space", "4", "--swap-min-tokens", "64"])
     config = engine_config_from_kwargs(args.model, **engine_kwargs(args))
     s, c = config.scheduler, config.cache
     assert (s.policy, s.length_buckets, s.aging_interval) == ("length-aware", (64, 256), 2.0)
     assert s.short_preempt_wait == float("inf") and s.boost_wait == 0.5
+    assert s.long_prefill_token_threshold == 64 and s.prefill_chunk_cap == 64
+    assert s.max_long_partial_prefills == 2 and s.long_partial_prefill_limit == 2
     assert (s.kv_plan_limit, s.degrade_after, s.restore_after) == (0.9, 10.0, 5.0)
     assert s.degraded_token_fraction == 0.25 and s.watermark == 0.05
     assert (c.swap_space, c.swap_min_tokens) == (4.0, 64)

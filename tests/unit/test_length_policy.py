@@ -57,26 +57,44 @@ def _admission_violations(engine, arrivals, slack):
     """Pairs (a, b) with b admitted before a although b arrived more than `slack` later."""
     admitted = engine.admitted
     return [(a, b) for i, a in enumerate(admitted) for b in admitted[:i]
-            if arrivals[b] > arrivals[a] + slack]
+            if arrivals[b][0] > arrivals[a][0] + slack]
 
 
-@pytest.mark.parametrize("seed", range(4))
-def test_aging_bound_holds_under_random_arrivals(seed):
-    # Bursts and lulls of mixed lengths; nobody may be admitted behind a request that
-    # arrived more than 2 aging intervals later (bucket gap x interval).
+def _random_arrivals(seed, **config):
+    """Bursts and lulls of 3-, 12- and 30-token prompts (buckets 8, 24); the engine, run to
+    the end, and each request's (arrival time, prompt length)."""
     rng = np.random.default_rng(seed)
     e = FakeEngine(policy=LA, length_buckets=(8, 24), aging_interval=0.2, max_num_seqs=2,
-                   max_num_batched_tokens=16, step_seconds=0.05)
+                   max_num_batched_tokens=16, step_seconds=0.05, **config)
     arrivals = {}
     for i in range(120):
         for _ in range(rng.poisson(1.5 if (i // 20) % 2 else 0.2)):
             rid = f"r{len(arrivals)}"
-            e.add(rid, int(rng.choice([3, 12, 30])), max_tokens=int(rng.integers(1, 4)))
-            arrivals[rid] = e.clock.now
+            num_prompt = int(rng.choice([3, 12, 30]))
+            e.add(rid, num_prompt, max_tokens=int(rng.integers(1, 4)))
+            arrivals[rid] = (e.clock.now, num_prompt)
         e.step()
     e.run()
     assert len(e.admitted) == len(arrivals)
+    return e, arrivals
+
+
+@pytest.mark.parametrize("seed", range(4))
+def test_aging_bound_holds_under_random_arrivals(seed):
+    # Nobody may be admitted behind a request that arrived more than 2 aging intervals
+    # later (bucket gap x interval). No prefill cap: the queue's order alone.
+    e, arrivals = _random_arrivals(seed, long_prefill_token_threshold=0)
     assert _admission_violations(e, arrivals, slack=2 * 0.2 + 1e-9) == []
+
+
+@pytest.mark.parametrize("seed", range(4))
+def test_aging_bound_holds_but_for_prompts_waiting_for_the_long_prefill_slot(seed):
+    # The default cap (8 tokens, one long prefill at a time): a prompt of more than 8
+    # tokens waiting for the slot may be passed by ones of at most 8, and only so.
+    e, arrivals = _random_arrivals(seed)
+    violations = _admission_violations(e, arrivals, slack=2 * 0.2 + 1e-9)
+    assert violations  # the slot is what lets short prompts by
+    assert all(arrivals[a][1] > 8 >= arrivals[b][1] for a, b in violations)
 
 
 def _starve_long(aging_interval):
@@ -102,7 +120,9 @@ def test_sustained_short_traffic_cannot_starve_a_long_request():
 
 
 def test_running_prefill_yields_its_budget_to_a_short_request():
-    e = FakeEngine(policy=LA, length_buckets=(8, 24), max_num_batched_tokens=16)
+    # No prefill cap, so the chunks show what the budget alone gives.
+    e = FakeEngine(policy=LA, length_buckets=(8, 24), max_num_batched_tokens=16,
+                   long_prefill_token_threshold=0)
     e.add("long", 40)
     assert chunks(e.step()) == [("long", 16)]
     e.add("short", 5)
@@ -115,9 +135,22 @@ def test_running_prefill_yields_its_budget_to_a_short_request():
     assert chunks(f.step()) == [("long", 16)]
 
 
+def test_a_yielding_prefill_goes_before_waiting_requests_that_rank_below_it():
+    e = FakeEngine(policy=LA, length_buckets=(8, 24), max_num_batched_tokens=32,
+                   aging_interval=1.0, long_prefill_token_threshold=0)
+    e.add("long", 60)
+    assert chunks(e.step()) == [("long", 32)]
+    e.clock.advance(0.5)
+    e.add("short", 5)  # key t + 0.5: above the long one (t + 2)
+    e.clock.advance(2.0)
+    e.add("medium", 10)  # key t + 3.5: below it
+    assert chunks(e.step()) == [("short", 5), ("long", 27)]
+    assert [r.request_id for r in e.scheduler.waiting] == ["medium"]
+
+
 def test_a_long_request_that_aged_past_a_short_one_keeps_its_budget():
     e = FakeEngine(policy=LA, length_buckets=(8, 24), aging_interval=0.1,
-                   max_num_batched_tokens=16)
+                   max_num_batched_tokens=16, long_prefill_token_threshold=0)
     e.add("long", 40)
     e.step()
     e.clock.advance(1.0)  # the long request's key is now older than any newcomer's

@@ -7,8 +7,9 @@ MODULES = ["serving.request", "serving.page_pool", "serving.kv_cache_manager",
            "serving.scheduler", "serving.buckets", "serving.batch", "serving.config",
            "serving.reasoning", "serving.detokenizer", "serving.output_processor",
            "serving.step_cost", "serving.http_policy", "serving.policies",
-           "serving.degradation", "serving.swap", "qwen_jax.options", "qwen_jax.validation",
-           "qwen_jax.quantization", "serving.tool_parsers", "serving.chat_reply",
+           "serving.degradation", "serving.swap", "serving.prefill_cap", "qwen_jax.options",
+           "qwen_jax.validation", "qwen_jax.quantization", "serving.tool_parsers",
+           "serving.chat_reply",
            "serving.structured", "serving.structured_params", "serving.openai_structured"]
 
 
@@ -23,7 +24,7 @@ def test_core_modules_do_not_import_jax():
 def test_pure_python_modules_do_not_import_numpy():
     pure = ["serving.request", "serving.page_pool", "serving.kv_cache_manager",
             "serving.scheduler", "serving.buckets", "serving.config", "serving.policies",
-            "serving.degradation", "serving.swap",
+            "serving.degradation", "serving.swap", "serving.prefill_cap",
             "serving.tool_parsers", "serving.structured_params", "serving.chat_reply"]
     code = ("import sys\n" + "".join(f"import {m}\n" for m in pure)
             + "print('numpy' in sys.modules)")
