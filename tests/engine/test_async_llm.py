@@ -1,4 +1,5 @@
-"""AsyncLLM: streaming from the background engine thread, concurrency, abort frees pages."""
+"""AsyncLLM: streaming from the background engine thread, concurrency, abort frees pages;
+with the serial and the overlapped engine loop."""
 
 import asyncio
 
@@ -11,9 +12,10 @@ ARGS = dict(max_num_seqs=8, max_num_batched_tokens=64, max_model_len=128,
             token_buckets=[8, 64], seq_buckets=[4, 8], show_progress=False)
 
 
-@pytest.fixture(scope="module")
-def async_llm(tiny_ckpt, compile_cache):
-    llm = AsyncLLM(str(tiny_ckpt[0]), compilation_cache_dir=compile_cache, **ARGS)
+@pytest.fixture(scope="module", params=[False, True], ids=["serial", "overlapped"])
+def async_llm(tiny_ckpt, compile_cache, request):
+    llm = AsyncLLM(str(tiny_ckpt[0]), compilation_cache_dir=compile_cache,
+                   async_scheduling=request.param, **ARGS)
     yield llm
     llm.shutdown()
 

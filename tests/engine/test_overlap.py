@@ -158,3 +158,9 @@ def test_default_model_chat_is_identical(compile_cache):
         serial.chat(conversations, params))
     assert fast.stats()["num_overlapped_steps"] > 0
     assert serial.stats()["num_overlapped_steps"] == 0
+
+
+def test_data_parallel_replicas(tiny_ckpt, compile_cache):
+    pair = make_pair(tiny_ckpt[0], compile_cache, data_parallel_size=2)
+    assert len(pair[1].engines) == 2
+    assert_same(pair, ids(make_prompts([12, 3, 30, 7, 18], seed=10)), GREEDY)
