@@ -12,14 +12,20 @@ the padding they bring.
 from __future__ import annotations
 
 from collections.abc import Sequence
-from typing import TYPE_CHECKING
+from typing import Protocol
 
 from serving.buckets import pick_bucket
 from serving.config import SchedulerConfig
 from serving.request import Request
 
-if TYPE_CHECKING:
-    from serving.scheduler import ScheduledSeq
+
+class ScheduledChunk(Protocol):
+    """What `trim` reads and shortens of a scheduled sequence (serving/scheduler.py's
+    ScheduledSeq; not imported: the scheduler imports this module)."""
+
+    request: Request
+    start: int
+    num_new_tokens: int
 
 
 class PrefillCap:
@@ -45,7 +51,7 @@ class PrefillCap:
                        for r in running)
         return num_long >= self.limit
 
-    def trim(self, scheduled: Sequence[ScheduledSeq]) -> int:
+    def trim(self, scheduled: Sequence[ScheduledChunk]) -> int:
         """Shorten the long partial prefills' chunks (latest first) so the step pads to
         the bucket below, when the tokens they put past it are fewer than the padding
         they bring: 16 decodes and a 128-token chunk run as 128 tokens, not 144 padded
