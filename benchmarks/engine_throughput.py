@@ -155,13 +155,14 @@ class _StepRecorder:
 
 
 def engine_modes(llm, prompts, output_lens, max_num_seqs):
-    """Each mode with the default loop (serial on a CPU backend), and continuous batching
-    also with the overlapped loop."""
-    modes = {"continuous": (len(prompts), False, None),
-             "continuous_overlapped_loop": (len(prompts), False, True),
-             "one_at_a_time": (1, False, None),
-             "static_batches": (max_num_seqs, False, None),
-             "static_batches_padded": (max_num_seqs, True, None)}
+    """Each mode with the overlapped loop (the default), and continuous batching and
+    static batches also with the serial loop."""
+    modes = {"continuous": (len(prompts), False, True),
+             "continuous_serial_loop": (len(prompts), False, False),
+             "one_at_a_time": (1, False, True),
+             "static_batches": (max_num_seqs, False, True),
+             "static_batches_serial_loop": (max_num_seqs, False, False),
+             "static_batches_padded": (max_num_seqs, True, True)}
     results, tokens = {}, {}
     compiles_before = llm.stats()["num_compiles"]
     engine = llm.llm_engine
@@ -169,7 +170,7 @@ def engine_modes(llm, prompts, output_lens, max_num_seqs):
     for name, (batch_size, pad, overlap) in modes.items():
         engine.step = device = _StepRecorder(engine)
         engine.scheduler_config = dataclasses.replace(config, async_scheduling=overlap)
-        overlapped = engine.async_scheduling
+        overlapped = engine.scheduler_config.async_scheduling
         try:
             seconds, ids, ttfts, since_submit = run_engine_batches(
                 llm, prompts, output_lens, batch_size, pad)

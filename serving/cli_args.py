@@ -46,10 +46,9 @@ def add_engine_args(parser: argparse.ArgumentParser) -> None:
     g.add_argument("--compilation-cache-dir", default="default",
                    help="persistent XLA cache ('' disables)")
     g.add_argument("--no-precompile", action="store_false", dest="precompile")
-    g.add_argument("--async-scheduling", action=argparse.BooleanOptionalAction, default=None,
+    g.add_argument("--async-scheduling", action=argparse.BooleanOptionalAction, default=True,
                    help="overlap scheduling, input building and output processing with the "
-                        "device step (default: on for GPUs, off on a CPU backend; steps "
-                        "with grammar masks or penalties run serially)")
+                        "device step (steps with grammar masks or penalties run serially)")
     g.add_argument("--generation-config", default="auto",
                    help="sampling defaults for requests that omit them: 'auto' reads the "
                         "model's generation_config.json (Qwen3: temperature 0.6, top_p 0.95, "

@@ -78,10 +78,8 @@ class SchedulerConfig:
     token_buckets: tuple[int, ...] | None = None  # None: powers of two
     seq_buckets: tuple[int, ...] | None = None
     # Overlap step N+1's scheduling and dispatch with step N's device time and output
-    # processing (serving/engine.py); False: every step runs serially. None: on where the
-    # device is an accelerator, off on a CPU backend (the "device" is the same cores the
-    # host work would run on, so overlapping only makes the two contend).
-    async_scheduling: bool | None = None
+    # processing (serving/engine.py); False: every step runs serially.
+    async_scheduling: bool = True
 
     def __post_init__(self) -> None:
         require(self.max_num_seqs >= 1, "max_num_seqs", self.max_num_seqs, ">= 1")

@@ -280,7 +280,7 @@ class LLMEngine:
     def step(self) -> list[RequestOutput]:
         """One engine iteration; returns an output for every request that produced a token.
 
-        Overlapped (`async_scheduling`, default on GPUs): step N+1 is scheduled, built and
+        Overlapped (`async_scheduling`, the default): step N+1 is scheduled, built and
         dispatched before step N's tokens are read; the rows that decode take their input
         token from step N's output on the device, and step N's outputs are processed
         while N+1 computes. A request that finished at step N may be in N+1: that token
@@ -307,14 +307,8 @@ class LLMEngine:
             self.scheduler.update_after_step(out)  # it fills can then be hashed
         return outputs
 
-    @property
-    def async_scheduling(self) -> bool:
-        """Whether steps overlap (the option, or by default: not on a CPU backend)."""
-        option = self.scheduler_config.async_scheduling
-        return jax.default_backend() != "cpu" if option is None else option
-
     def _can_overlap(self) -> bool:
-        if not self.async_scheduling or distributed.is_multiprocess():
+        if not self.scheduler_config.async_scheduling or distributed.is_multiprocess():
             return False
         return not any(seq.needs_host_tokens for seq in self._seqs.values())
 

@@ -325,7 +325,12 @@ def sample(logits: jax.Array, sa: SamplingArrays) -> SamplerOutput:
         out = jax.lax.cond(any_penalty, lambda: _apply_penalties(out, sa), lambda: out)
         return _pick(out, sa)
 
-    token = jax.lax.cond(masked | blocks | any_penalty, processed, lambda: _pick(logits, sa))
+    # A plain greedy step's answer is the argmax, computed outside any branch (XLA fuses
+    # it with the logits best there); the rest runs only when some row needs it.
+    greedy = jnp.argmax(logits, axis=-1).astype(jnp.int32)
+    special = masked | blocks | any_penalty | jnp.any(sa.temperature >= SAMPLING_EPS)
+    token = jnp.where(special, jax.lax.cond(special, processed,
+                                            lambda: jnp.zeros(num_seqs, jnp.int32)), greedy)
     # Log-softmax and the top-20 of the raw distribution, only when some row asked.
     logprobs = jax.lax.cond(
         sa.want_logprobs, lambda: token_logprobs(jax.nn.log_softmax(logits, axis=-1), token),

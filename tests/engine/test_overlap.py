@@ -150,7 +150,7 @@ def test_abort_mid_stream(tiny_ckpt, compile_cache):
 
 def test_default_model_chat_is_identical(compile_cache):
     args = {**ARGS, "max_model_len": 256, "compilation_cache_dir": compile_cache}
-    serial, fast = LLM(**args), LLM(async_scheduling=True, **args)  # CPU default: serial
+    serial, fast = LLM(async_scheduling=False, **args), LLM(**args)  # default: overlapped
     conversations = [[{"role": "user", "content": f"What is {a} plus {b}?"}]
                      for a, b in ((3, 4), (12, 30), (7, 7), (101, 9))]
     params = SamplingParams(temperature=0.0, max_tokens=24)
