@@ -17,7 +17,7 @@ from qwen_jax.planner import kv_bytes_per_page
 from qwen_jax.sharding import make_mesh, tp_size
 from qwen_jax.tokenizer import Tokenizer
 from qwen_jax.weights import DEFAULT_MODEL_DIR, resolve_model_path
-from serving import distributed, kv_cache
+from serving import distributed, engine_stats, kv_cache
 from serving.batch import build_model_inputs, step_bucket
 from serving.buckets import bucket_pairs
 from serving.detokenizer import IncrementalDetokenizer
@@ -26,7 +26,13 @@ from serving.generation_config import sampling_defaults
 from serving.host_kv import HostKVStore
 from serving.kv_cache_manager import KVCacheManager
 from serving.output_processor import OutputProcessor, ParentState, SeqState
-from serving.request import Request, RequestOutput, RequestStatus, SamplingParams
+from serving.request import (
+    Request,
+    RequestOutput,
+    RequestStatus,
+    SamplingParams,
+    uses_penalties,
+)
 from serving.runner import (
     ModelRunner,
     PendingStep,
@@ -34,7 +40,7 @@ from serving.runner import (
     default_compilation_cache_dir,
     enable_compilation_cache,
 )
-from serving.sampler import NUM_BLOCKED, SamplingEntry, build_sampling_arrays, uses_penalties
+from serving.sampler import NUM_BLOCKED, SamplingEntry, build_sampling_arrays
 from serving.scheduler import Scheduler, SchedulerOutput
 from serving.step_cost import StepShape
 from serving.structured import GrammarCompiler, Guide, MaskBuilder
@@ -433,44 +439,7 @@ class LLMEngine:
 
     # ---- introspection -----------------------------------------------------------------
     def stats(self) -> dict:
-        return {**self._kv_stats(), **self._scheduling_stats()}
-
-    def _kv_stats(self) -> dict:
-        kv = self.kv_manager
-        return {
-            "num_running": self.scheduler.num_running,
-            "num_waiting": self.scheduler.num_waiting,
-            "num_free_pages": kv.num_free_pages,
-            "num_total_pages": kv.num_total_pages,
-            "num_used_pages": kv.num_total_pages - kv.num_free_pages,
-            "kv_cache_usage": kv.usage,
-            "num_preemptions": self.scheduler.num_preemptions,
-            "prefix_cache_hit_rate": kv.prefix_cache_hit_rate,
-            "prefix_cache_queries": kv.pool.num_queried_tokens,
-            "prefix_cache_hits": kv.pool.num_hit_tokens,
-            "num_overlapped_steps": self.num_overlapped_steps,
-            "num_compiles": self.runner.num_compiles + (
-                self.host_kv.num_compiles if self.host_kv is not None else 0),
-            "bytes_per_page": self.bytes_per_page,
-            "kv_capacity_tokens": self.kv_capacity_tokens,
-        }
-
-    def _scheduling_stats(self) -> dict:
-        s = self.scheduler
-        s.observe_pressure()  # an idle engine runs no step: its budget is restored here
-        return {
-            "max_num_batched_tokens": s.max_num_batched_tokens,
-            "degraded": int(s.pressure.degraded),
-            "num_degradation_switches": s.pressure.num_switches,
-            "num_priority_boosts": s.boost.num_boosts,
-            "num_swap_outs": s.swap.num_swap_outs,
-            "num_swap_ins": s.swap.num_swap_ins,
-            "num_swapped_requests": s.swap.num_swapped,
-            "num_host_pages": s.swap.num_host_pages,
-            "num_used_host_pages": s.swap.num_host_pages - s.swap.num_free_host_pages,
-            "swap_space_usage": s.swap.usage,
-            "num_recomputed_tokens": s.num_recomputed_tokens,
-        }
+        return {**engine_stats.kv_stats(self), **engine_stats.scheduling_stats(self.scheduler)}
 
 
 @dataclasses.dataclass

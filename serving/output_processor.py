@@ -7,7 +7,13 @@ import dataclasses
 from typing import TYPE_CHECKING
 
 from serving.detokenizer import IncrementalDetokenizer
-from serving.request import CompletionOutput, Request, RequestOutput, RequestStatus
+from serving.request import (
+    CompletionOutput,
+    Request,
+    RequestOutput,
+    RequestStatus,
+    uses_penalties,
+)
 
 if TYPE_CHECKING:  # host-side code: the sampler's types only, not jax
     from serving.sampler import SamplerOutput, TokenLogprobs
@@ -46,9 +52,7 @@ class SeqState:
     def needs_host_tokens(self) -> bool:
         """Its next step's inputs need its last token on the host (the grammar mask, the
         penalty counts): steps with it cannot overlap the next one."""
-        p = self.request.sampling_params
-        return self.guide is not None or (p.presence_penalty != 0 or p.frequency_penalty != 0
-                                          or p.repetition_penalty != 1)
+        return self.guide is not None or uses_penalties(self.request.sampling_params)
 
 
 @dataclasses.dataclass

@@ -105,6 +105,11 @@ class SamplingParams:
         return self.top_k > 0
 
 
+def uses_penalties(p: SamplingParams) -> bool:
+    """Whether a request applies presence, frequency or repetition penalties."""
+    return p.presence_penalty != 0 or p.frequency_penalty != 0 or p.repetition_penalty != 1
+
+
 class RequestStatus(enum.IntEnum):
     """Ordered so that every finished status compares above the live ones."""
 

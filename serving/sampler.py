@@ -137,10 +137,6 @@ def build_sampling_arrays(entries: Sequence[SamplingEntry], num_padded_seqs: int
     return arrays
 
 
-def uses_penalties(p: SamplingParams) -> bool:
-    return p.presence_penalty != 0 or p.frequency_penalty != 0 or p.repetition_penalty != 1
-
-
 def uses_penalty_rows(sa: SamplingArrays) -> bool:
     """Whether some row of a step applies penalties (so its penalty tokens must travel)."""
     return bool(np.any(sa.presence_penalty != 0) or np.any(sa.frequency_penalty != 0)
