@@ -9,6 +9,11 @@ from collections.abc import Iterable, Sequence
 
 from qwen_jax.tokenizer import Tokenizer
 
+try:  # tokenizers >= 0.22: the same prefix/read-offset decoding, one Rust call per token
+    from tokenizers.decoders import DecodeStream
+except ImportError:  # pragma: no cover - older tokenizers: two decode calls per token
+    DecodeStream = None
+
 _REPLACEMENT_CHAR = "\ufffd"
 # Prompt tokens decoded ahead of the output so the first output token is detokenized in context.
 _PROMPT_CONTEXT_TOKENS = 5
@@ -36,6 +41,15 @@ class IncrementalDetokenizer:
         self._text = ""
         self._num_emitted = 0
         self.stop_reason: str | None = None
+        self._stream = None
+        backend = getattr(tokenizer, "backend", None)
+        if DecodeStream is not None and backend is not None:
+            try:
+                self._stream = DecodeStream(ids=self._window,
+                                            skip_special_tokens=skip_special_tokens)
+                self._backend = backend
+            except TypeError:  # tokenizers 0.21: no prompt context, so decode in Python
+                self._stream = None
 
     @property
     def text(self) -> str:
@@ -56,6 +70,15 @@ class IncrementalDetokenizer:
             self._check_stop(num_chars)
         return self._take_delta(final=self.finished_by_stop)
 
+    def append(self, token_id: int) -> None:
+        """`add` of one token without computing the delta (what the engine needs per step:
+        the text and whether a stop string ended it)."""
+        if self.stop_reason is None:
+            num_chars = len(self._text)
+            self._text += self._step(token_id)
+            if self._stops:
+                self._check_stop(num_chars)
+
     def flush(self) -> str:
         """Call once the request ends for any reason but a stop string: returns the held-back tail
         (a possible stop-string prefix, or an incomplete UTF-8 sequence as U+FFFD)."""
@@ -65,12 +88,25 @@ class IncrementalDetokenizer:
             self._text += self._decode(self._window)[len(prefix_text):]
             self._window, self._read = [], 0
             self._check_stop(num_chars)
+        self._stream = None  # the mirror is reset; tokens after a flush go the Python way
         return self._take_delta(final=True)
 
     def _decode(self, ids: list[int]) -> str:
         return self._tokenizer.decode(ids, skip_special_tokens=self._skip_special_tokens)
 
     def _step(self, token_id: int) -> str:
+        if self._stream is not None:
+            try:
+                chunk = self._stream.step(self._backend, token_id)
+            except Exception:  # its consistency check failed: go on with the Python path
+                self._stream = None
+            else:
+                self._window.append(token_id)
+                if chunk is None:
+                    return ""
+                del self._window[:self._read]
+                self._read = len(self._window)
+                return chunk
         self._window.append(token_id)
         prefix_text = self._decode(self._window[:self._read])
         new_text = self._decode(self._window)

@@ -31,7 +31,6 @@ from serving.request import (
     RequestOutput,
     RequestStatus,
     SamplingParams,
-    uses_penalties,
 )
 from serving.runner import (
     ModelRunner,
@@ -80,6 +79,9 @@ class LLMEngine:
         self._init_cache_and_scheduler()
         self._rng = np.random.default_rng(config.seed)
         self._seqs: dict[str, SeqState] = {}
+        # live sequences with a grammar, and those whose tokens the host needs before the
+        # next step (grammars, penalties): counted, so a step need not scan them all
+        self._num_guided = self._num_host_token_seqs = 0
         self._parents: dict[str, ParentState] = {}
         self.compile_seconds = 0.0
         self.last_step: dict = {}
@@ -220,6 +222,8 @@ class LLMEngine:
             raise
         for child in children:
             self._seqs[child.request.request_id] = child
+            self._num_guided += child.guide is not None
+            self._num_host_token_seqs += child.needs_host_tokens
         self._parents[request_id] = ParentState(request_id, text, ids, children, stream,
                                                 prompt_lps)
 
@@ -273,8 +277,13 @@ class LLMEngine:
             return None
         for child in parent.children:
             self.scheduler.abort(child.request.request_id)
-            self._seqs.pop(child.request.request_id, None)
+            self._forget(child)
         return self.output_processor.request_output(parent)
+
+    def _forget(self, seq: SeqState) -> None:
+        if self._seqs.pop(seq.request.request_id, None) is not None:
+            self._num_guided -= seq.guide is not None
+            self._num_host_token_seqs -= seq.needs_host_tokens
 
     def request_ids(self) -> list[str]:
         return list(self._parents)
@@ -316,7 +325,7 @@ class LLMEngine:
     def _can_overlap(self) -> bool:
         if not self.scheduler_config.async_scheduling or distributed.is_multiprocess():
             return False
-        return not any(seq.needs_host_tokens for seq in self._seqs.values())
+        return self._num_host_token_seqs == 0
 
     def _launch(self, out: SchedulerOutput) -> _Flight:
         """Build the step's inputs and dispatch it; returns at once."""
@@ -362,44 +371,49 @@ class LLMEngine:
 
     def _process_tokens(self, out, result) -> list[RequestOutput]:
         """Append each sampled token, check stops and grammars, emit outputs."""
+        tokens = result.token_ids.tolist()  # one conversion, not a numpy scalar per row
+        now = time.monotonic()  # every token of the step reached the host now
+        seqs, parents = self._seqs, self._parents
+        append, capped = self.output_processor.append, self.scheduler.is_length_capped
+        vocab, logprobs = self.model_config.vocab_size, result.logprobs
         touched: dict[str, ParentState] = {}
         for row, scheduled in enumerate(out.scheduled):
-            request = scheduled.request
-            seq = self._seqs.get(request.request_id)
-            if not scheduled.samples or seq is None or request.is_finished:
+            if not scheduled.samples:
                 continue
+            request = scheduled.request
+            seq = seqs.get(request.request_id)
+            if seq is None or request.is_finished:
+                continue
+            token = tokens[row]
             try:
-                status = self._append(seq, result, row)
+                if not 0 <= token < vocab:
+                    raise ValueError(f"sampled token id {token} for {request.request_id!r} "
+                                     f"is outside the vocabulary [0, {vocab})")
+                status = append(seq, token, logprobs, row, capped, now)
+                if seq.guide is not None and not seq.guide.accept(token):
+                    logger.error("request %s: token %d broke its grammar: %s", seq.parent_id,
+                                 token, seq.guide.matcher.get_error())
+                    status = RequestStatus.FINISHED_ERROR
             except Exception as exc:  # one sequence's data: the cache and the rest are intact
                 status = None
-                self._fail(self._parents[seq.parent_id], exc)
+                self._fail(parents[seq.parent_id], exc)
             if status is not None:
                 self.scheduler.finish(request.request_id, status)
-            touched[seq.parent_id] = self._parents[seq.parent_id]
-        return [self._emit(parent) for parent in touched.values()
-                if parent.stream or parent.finished]
+            touched[seq.parent_id] = parents[seq.parent_id]
+        request_output = self.output_processor.request_output
+        return [self._emit(parent) if parent.finished else request_output(parent)
+                for parent in touched.values() if parent.stream or parent.finished]
 
     def _constrained_rows(self, out) -> list:
         """(row, guide) of the rows that sample this step under a grammar."""
-        rows = []
+        rows: list = []
+        if not self._num_guided:
+            return rows
         for row, scheduled in enumerate(out.scheduled):
             seq = self._seqs.get(scheduled.request.request_id)
             if scheduled.samples and seq is not None and seq.guide is not None:
                 rows.append((row, seq.guide))
         return rows
-
-    def _append(self, seq: SeqState, result, row: int) -> RequestStatus | None:
-        token = int(result.token_ids[row])
-        vocab = self.model_config.vocab_size
-        if not 0 <= token < vocab:
-            raise ValueError(f"sampled token id {token} for {seq.request.request_id!r} is "
-                             f"outside the vocabulary [0, {vocab})")
-        status = self.output_processor.append(seq, result, row, self.scheduler.is_length_capped)
-        if seq.guide is not None and not seq.guide.accept(token):
-            logger.error("request %s: token %d broke its grammar: %s", seq.parent_id, token,
-                         seq.guide.matcher.get_error())
-            return RequestStatus.FINISHED_ERROR
-        return status
 
     def _fail(self, parent: ParentState, exc: Exception) -> None:
         """End a request whose own output could not be processed: its final output carries
@@ -423,18 +437,18 @@ class LLMEngine:
     def _sampling_entry(self, request: Request) -> SamplingEntry:
         seq = self._seqs[request.request_id]
         params = request.sampling_params
-        num_output = request.num_output_tokens + request.num_pending_tokens
+        num_output = len(request.output_token_ids) + request.num_pending_tokens
         blocked = seq.blocked_ids if num_output < params.min_tokens else ()
-        tokens = request.all_token_ids if uses_penalties(params) else None
+        tokens = request.all_token_ids if seq.uses_penalties else None
         return SamplingEntry(params, seq.seed, num_output, blocked, tokens,
-                             request.num_prompt_tokens)
+                             len(request.prompt_token_ids))
 
     def _emit(self, parent: ParentState) -> RequestOutput:
         output = self.output_processor.request_output(parent)
         if output.finished:
             self._parents.pop(parent.request_id, None)
             for child in parent.children:
-                self._seqs.pop(child.request.request_id, None)
+                self._forget(child)
         return output
 
     # ---- introspection -----------------------------------------------------------------

@@ -8,6 +8,7 @@ from typing import TYPE_CHECKING
 
 from serving.detokenizer import IncrementalDetokenizer
 from serving.request import (
+    FINISH_REASONS,
     CompletionOutput,
     Request,
     RequestOutput,
@@ -16,7 +17,7 @@ from serving.request import (
 )
 
 if TYPE_CHECKING:  # host-side code: the sampler's types only, not jax
-    from serving.sampler import SamplerOutput, TokenLogprobs
+    from serving.sampler import TokenLogprobs
     from serving.structured import Guide
 
 
@@ -43,6 +44,10 @@ class SeqState:
     cumulative_logprob: float = 0.0
     text: str = ""
     guide: Guide | None = None  # the grammar matcher of a constrained sequence
+    uses_penalties: bool = False  # its sampling params penalise repeats (set on creation)
+
+    def __post_init__(self) -> None:
+        self.uses_penalties = uses_penalties(self.request.sampling_params)
 
     @property
     def params(self):
@@ -52,7 +57,7 @@ class SeqState:
     def needs_host_tokens(self) -> bool:
         """Its next step's inputs need its last token on the host (the grammar mask, the
         penalty counts): steps with it cannot overlap the next one."""
-        return self.guide is not None or uses_penalties(self.request.sampling_params)
+        return self.guide is not None or self.uses_penalties
 
 
 @dataclasses.dataclass
@@ -67,7 +72,10 @@ class ParentState:
 
     @property
     def finished(self) -> bool:
-        return all(c.request.is_finished for c in self.children)
+        children = self.children
+        if len(children) == 1:
+            return children[0].request.is_finished
+        return all(c.request.is_finished for c in children)
 
 
 class OutputProcessor:
@@ -75,12 +83,11 @@ class OutputProcessor:
         self.tokenizer = tokenizer
         self.eos_token_ids = frozenset(eos_token_ids)
 
-    def append(self, seq: SeqState, result: SamplerOutput, row: int,
-               max_len_reached) -> RequestStatus | None:
-        """Record the token sampled for `row`; return a finished status if the sequence
-        stops."""
-        status = self._append(seq, int(result.token_ids[row]), result.logprobs, row,
-                              max_len_reached)
+    def append(self, seq: SeqState, token: int, logprobs: TokenLogprobs | None, row: int,
+               max_len_reached, now: float | None = None) -> RequestStatus | None:
+        """Record `token`, sampled for `row` of a step whose logprobs are `logprobs` and
+        read at monotonic time `now`; return a finished status if the sequence stops."""
+        status = self._append(seq, token, logprobs, row, max_len_reached, now)
         if status is not None:
             self.flush(seq)
         return status
@@ -92,20 +99,22 @@ class OutputProcessor:
             seq.detokenizer.flush()
             seq.text = seq.detokenizer.text
 
-    def _append(self, seq, token, logprobs: TokenLogprobs | None, row, max_len_reached):
+    def _append(self, seq, token, logprobs: TokenLogprobs | None, row, max_len_reached, now):
         request, params = seq.request, seq.params
-        request.append_output_token(token)
-        self._record_logprobs(seq, token, logprobs, row)
-        if seq.detokenizer is not None:
-            seq.detokenizer.add([token])
-            seq.text = seq.detokenizer.text
-            if seq.detokenizer.finished_by_stop:
-                request.stop_reason = seq.detokenizer.stop_reason
+        request.append_output_token(token, now)
+        if seq.logprobs is not None:
+            self._record_logprobs(seq, token, logprobs, row)
+        detokenizer = seq.detokenizer
+        if detokenizer is not None:
+            detokenizer.append(token)
+            seq.text = detokenizer.text
+            if detokenizer.stop_reason is not None:
+                request.stop_reason = detokenizer.stop_reason
                 return RequestStatus.FINISHED_STOPPED
-        if request.num_output_tokens >= params.min_tokens:
+        if len(request.output_token_ids) >= params.min_tokens:
             if not params.ignore_eos and token in self.eos_token_ids:
                 return RequestStatus.FINISHED_STOPPED
-            if token in params.stop_token_ids:
+            if params.stop_token_ids and token in params.stop_token_ids:
                 request.stop_reason = token
                 return RequestStatus.FINISHED_STOPPED
         if max_len_reached(request):
@@ -147,18 +156,16 @@ class OutputProcessor:
 
     @staticmethod
     def completion(seq: SeqState) -> CompletionOutput:
-        request = seq.request
+        request = seq.request  # positional construction: this runs per request per step
         return CompletionOutput(
-            index=seq.index, text=seq.text, token_ids=list(request.output_token_ids),
-            cumulative_logprob=seq.cumulative_logprob if seq.params.logprobs is not None else None,
-            logprobs=seq.logprobs, finish_reason=request.finish_reason,
-            stop_reason=request.stop_reason)
+            seq.index, seq.text, request.output_token_ids.copy(),
+            None if seq.logprobs is None else seq.cumulative_logprob, seq.logprobs,
+            FINISH_REASONS.get(request.status), request.stop_reason)
 
     def request_output(self, parent: ParentState) -> RequestOutput:
         first = parent.children[0].request
+        completion = self.completion
         return RequestOutput(
-            request_id=parent.request_id, prompt=parent.prompt,
-            prompt_token_ids=parent.prompt_token_ids, prompt_logprobs=parent.prompt_logprobs,
-            outputs=[self.completion(c) for c in parent.children], finished=parent.finished,
-            metrics=first.metrics, num_cached_tokens=first.num_cached_tokens,
-            error=parent.error)
+            parent.request_id, parent.prompt, parent.prompt_token_ids, parent.prompt_logprobs,
+            [completion(c) for c in parent.children], parent.finished, first.metrics,
+            first.num_cached_tokens, parent.error)

@@ -127,10 +127,10 @@ class RequestStatus(enum.IntEnum):
 
     @staticmethod
     def finish_reason(status: RequestStatus) -> str | None:
-        return _FINISH_REASONS.get(status)
+        return FINISH_REASONS.get(status)
 
 
-_FINISH_REASONS = {
+FINISH_REASONS = {
     RequestStatus.FINISHED_STOPPED: "stop",
     RequestStatus.FINISHED_LENGTH_CAPPED: "length",
     RequestStatus.FINISHED_ABORTED: "abort",
@@ -168,6 +168,9 @@ class Request:
     # Tokens sampled by a dispatched step whose values the host has not read yet (the
     # overlapped loop, serving/engine.py); the scheduler counts them, the rest does not.
     num_pending_tokens: int = 0
+    # min(prompt + max_tokens, max_model_len): set by the scheduler when it takes the
+    # request (Scheduler.max_num_tokens); 0 until then
+    max_num_tokens: int = 0
     stop_reason: int | str | None = None
     metrics: RequestMetrics = dataclasses.field(init=False)  # from arrival_time
     # Chained page hashes of full pages, filled lazily by the KV cache manager.
@@ -202,7 +205,7 @@ class Request:
 
     @property
     def is_finished(self) -> bool:
-        return RequestStatus.is_finished(self.status)
+        return self.status > RequestStatus.PREEMPTED  # RequestStatus.is_finished, inlined
 
     @property
     def finish_reason(self) -> str | None:
@@ -222,15 +225,18 @@ class Request:
             return self.output_token_ids[start - n:stop - n]
         return self.prompt_token_ids[start:] + self.output_token_ids[:stop - n]
 
-    def append_output_token(self, token_id: int) -> None:
+    def append_output_token(self, token_id: int, now: float | None = None) -> None:
+        """`now`: the monotonic time the token reached the host (default: now)."""
         self.output_token_ids.append(int(token_id))
-        now = time.monotonic()
-        if self.metrics.first_token_time is None:
-            self.metrics.first_token_time = now
-        self.metrics.last_token_time = now
+        if now is None:
+            now = time.monotonic()
+        metrics = self.metrics
+        if metrics.first_token_time is None:
+            metrics.first_token_time = now
+        metrics.last_token_time = now
 
 
-@dataclasses.dataclass
+@dataclasses.dataclass(slots=True)
 class CompletionOutput:
     """One generated completion of a request (vLLM's shape)."""
 
@@ -246,7 +252,7 @@ class CompletionOutput:
         return self.finish_reason is not None
 
 
-@dataclasses.dataclass
+@dataclasses.dataclass(slots=True)
 class RequestOutput:
     """What the engine emits per request per step (vLLM's shape)."""
 

@@ -40,7 +40,7 @@ class QueueFullError(RuntimeError):
     """The waiting queue is at `max_waiting`; the caller should shed load."""
 
 
-@dataclasses.dataclass
+@dataclasses.dataclass(slots=True)
 class ScheduledSeq:
     request: Request
     num_new_tokens: int
@@ -123,7 +123,10 @@ class Scheduler:
         return self.requests.get(request_id)
 
     def max_num_tokens(self, request: Request) -> int:
-        """Length at which the request is capped (prompt + max_tokens, at most max_model_len)."""
+        """Length at which the request is capped (prompt + max_tokens, at most max_model_len);
+        kept on the request once it is added."""
+        if request.max_num_tokens:
+            return request.max_num_tokens
         max_tokens = request.sampling_params.max_tokens
         limit = self._max_model_len or self.config.resolved_max_model_len
         if max_tokens is None:
@@ -131,13 +134,7 @@ class Scheduler:
         return min(len(request.prompt_token_ids) + max_tokens, limit)
 
     def is_length_capped(self, request: Request) -> bool:
-        return request.num_tokens >= self.max_num_tokens(request)
-
-    def _ends_with_pending(self, request: Request) -> bool:
-        """Overlapped loop: the token still on the device is the request's last (length
-        cap), so there is nothing to compute for it; the engine finishes it on reading."""
-        return (request.num_pending_tokens > 0
-                and request.num_tokens_with_pending >= self.max_num_tokens(request))
+        return request.num_tokens >= (request.max_num_tokens or self.max_num_tokens(request))
 
     def add_request(self, request: Request) -> None:
         self._validate(request)
@@ -145,6 +142,7 @@ class Scheduler:
             raise QueueFullError(
                 f"waiting queue is full: max_waiting={self.config.max_waiting}")
         request.status = RequestStatus.WAITING
+        request.max_num_tokens = self.max_num_tokens(request)
         self.requests[request.request_id] = request
         self._enqueue(request)
         self.boost.add(request)
@@ -190,20 +188,34 @@ class Scheduler:
 
     def _schedule_running(self, step: _Step) -> None:
         head = self.waiting.head if self.waiting else None
+        running, page_size = RequestStatus.RUNNING, self.kv.page_size
         for request in list(self.running):
             if step.budget == 0:
                 break
-            if request.status != RequestStatus.RUNNING:
+            if request.status != running:
                 continue  # preempted earlier in this step
-            num_left = request.num_tokens_with_pending - request.num_computed_tokens
-            if num_left <= 0 or self._ends_with_pending(request):
-                continue  # waiting for its sampled token, or that token is its last
+            pending = request.num_pending_tokens
+            num_tokens = (len(request.prompt_token_ids) + len(request.output_token_ids)
+                          + pending)
+            num_left = num_tokens - request.num_computed_tokens
+            if num_left <= 0 or (pending and num_tokens >= (request.max_num_tokens
+                                                          or self.max_num_tokens(request))):
+                # waiting for its sampled token, or (overlapped loop) the token still on
+                # the device is its last by length: the engine finishes it on reading
+                continue
             if num_left > 1 and head is not None and self.policy.yields_to(request, head):
                 step.deferred.append(request)  # its prefill gets what admissions leave
                 continue
-            num_new = self.prefill_cap.chunk(num_left, step.budget)
+            if num_left == 1:
+                num_new = 1
+                if request.num_computed_tokens < len(request.page_ids) * page_size:
+                    # a decode whose pages hold its next token (allocate_slots' fast path)
+                    step.add(request, 1, request.num_computed_tokens, num_tokens)
+                    continue
+            else:
+                num_new = self.prefill_cap.chunk(num_left, step.budget)
             if self._allocate_or_preempt(request, num_new, step):
-                step.add(request, num_new, request.num_computed_tokens)
+                step.add(request, num_new, request.num_computed_tokens, num_tokens)
 
     def _schedule_deferred(self, step: _Step, head: Request | None = None) -> None:
         """Prefill chunks that yielded to waiting requests, once those that rank above them
@@ -352,12 +364,17 @@ class Scheduler:
 
         The engine appends the sampled token of each `samples` entry afterwards.
         """
+        page_size, caching = self.kv.page_size, self.kv.enable_prefix_caching
         for seq in scheduler_output.scheduled:
             request = seq.request
             if request.status != RequestStatus.RUNNING:
                 continue  # aborted or finished while the step ran
-            request.num_computed_tokens = seq.start + seq.num_new_tokens
-            self.kv.cache_pages(request)
+            end = seq.start + seq.num_new_tokens
+            request.num_computed_tokens = end
+            # Pages fill only where a chunk crosses a page end; an admission may bring
+            # full pages of its own (prefix hits are cached already, swapped-in ones not).
+            if caching and (seq.admitted or end // page_size != seq.start // page_size):
+                self.kv.cache_pages(request)
 
     def finish(self, request_id: str, status: RequestStatus) -> Request | None:
         """Retire a request with a finished status and free its pages at once."""
@@ -393,10 +410,13 @@ class _Step:
         self.swap_out: list[tuple[int, int]] = []
         self.swap_in: list[tuple[int, int]] = []
 
-    def add(self, request: Request, num_new: int, start: int, admitted: bool = False) -> None:
-        samples = start + num_new == request.num_tokens_with_pending
-        self.scheduled[request.request_id] = ScheduledSeq(request, num_new, start, samples,
-                                                          admitted)
+    def add(self, request: Request, num_new: int, start: int, num_tokens: int | None = None,
+            admitted: bool = False) -> None:
+        """`num_tokens`: the request's num_tokens_with_pending, where the caller has it."""
+        if num_tokens is None:
+            num_tokens = request.num_tokens_with_pending
+        self.scheduled[request.request_id] = ScheduledSeq(
+            request, num_new, start, start + num_new == num_tokens, admitted)
         self.budget -= num_new
 
     def unschedule(self, request: Request) -> None:

@@ -50,6 +50,33 @@ def test_incremental_equals_full_decode_for_random_ids(tok, seed):
         assert "".join(deltas) == tok.decode(ids, skip_special_tokens=skip_special_tokens)
 
 
+@pytest.mark.parametrize("seed", range(3))
+def test_rust_decode_stream_and_python_path_give_the_same_deltas(tok, seed):
+    rng = random.Random(seed)
+    prompt = tok.encode("Prompt: 日本 🤖")
+    ids = [rng.randrange(124, 256) if rng.random() < 0.3 else rng.randrange(tok.vocab_size)
+           for _ in range(400)]
+    fast = IncrementalDetokenizer(tok, prompt)
+    slow = IncrementalDetokenizer(tok, prompt)
+    assert fast._stream is not None  # the tokenizers library here has DecodeStream
+    slow._stream = None
+    assert [fast.add([i]) for i in ids] == [slow.add([i]) for i in ids]
+    assert fast.flush() == slow.flush() and fast.text == slow.text
+
+
+def test_decode_stream_error_falls_back_to_python_decoding(tok):
+    class Failing:
+        def step(self, backend, token_id):
+            raise RuntimeError("prefix mismatch")
+
+    ids = tok.encode("naïve 🤖 text")
+    detok = IncrementalDetokenizer(tok, [])
+    emitted = detok.add(ids[:2])
+    detok._stream = Failing()
+    emitted += detok.add(ids[2:]) + detok.flush()
+    assert emitted == detok.text == tok.decode(ids) and detok._stream is None
+
+
 def test_incomplete_character_is_held_until_complete(tok):
     robot = tok.encode("🤖")
     detok = IncrementalDetokenizer(tok, [])
