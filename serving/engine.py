@@ -376,7 +376,9 @@ class LLMEngine:
         seqs, parents = self._seqs, self._parents
         append, capped = self.output_processor.append, self.scheduler.is_length_capped
         vocab, logprobs = self.model_config.vocab_size, result.logprobs
-        touched: dict[str, ParentState] = {}
+        request_output = self.output_processor.request_output
+        outputs: list[RequestOutput] = []
+        touched: dict[str, ParentState] = {}  # requests with n > 1
         for row, scheduled in enumerate(out.scheduled):
             if not scheduled.samples:
                 continue
@@ -399,10 +401,19 @@ class LLMEngine:
                 self._fail(parents[seq.parent_id], exc)
             if status is not None:
                 self.scheduler.finish(request.request_id, status)
-            touched[seq.parent_id] = parents[seq.parent_id]
-        request_output = self.output_processor.request_output
-        return [self._emit(parent) if parent.finished else request_output(parent)
-                for parent in touched.values() if parent.stream or parent.finished]
+            parent = parents[seq.parent_id]
+            if len(parent.children) > 1:
+                touched[seq.parent_id] = parent  # one output for its samples, after the loop
+            elif parent.finished:  # by its status, or failed by _fail
+                outputs.append(self._emit(parent))
+            elif parent.stream:
+                outputs.append(request_output(parent))
+        for parent in touched.values():
+            if parent.finished:
+                outputs.append(self._emit(parent))
+            elif parent.stream:
+                outputs.append(request_output(parent))
+        return outputs
 
     def _constrained_rows(self, out) -> list:
         """(row, guide) of the rows that sample this step under a grammar."""

@@ -86,7 +86,8 @@ class OutputProcessor:
     def append(self, seq: SeqState, token: int, logprobs: TokenLogprobs | None, row: int,
                max_len_reached, now: float | None = None) -> RequestStatus | None:
         """Record `token`, sampled for `row` of a step whose logprobs are `logprobs` and
-        read at monotonic time `now`; return a finished status if the sequence stops."""
+        read at monotonic time `now`; return a finished status if the sequence stops
+        (`max_len_reached(request)`: whether it has reached its length cap)."""
         status = self._append(seq, token, logprobs, row, max_len_reached, now)
         if status is not None:
             self.flush(seq)
@@ -100,7 +101,8 @@ class OutputProcessor:
             seq.text = seq.detokenizer.text
 
     def _append(self, seq, token, logprobs: TokenLogprobs | None, row, max_len_reached, now):
-        request, params = seq.request, seq.params
+        request = seq.request
+        params = request.sampling_params
         request.append_output_token(token, now)
         if seq.logprobs is not None:
             self._record_logprobs(seq, token, logprobs, row)

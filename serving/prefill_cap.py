@@ -56,14 +56,16 @@ class PrefillCap:
         the bucket below, when the tokens they put past it are fewer than the padding
         they bring: 16 decodes and a 128-token chunk run as 128 tokens, not 144 padded
         to 256. Returns the tokens cut (computed next step; their pages stay held)."""
+        if self.cap is None:
+            return 0
         total = sum(seq.num_new_tokens for seq in scheduled)
         lower = max((b for b in self.token_buckets if b < total), default=0)
         overflow = total - lower
+        if lower == 0 or overflow >= pick_bucket(total, self.token_buckets) - total:
+            return 0
         chunks = [seq for seq in scheduled
                   if self.is_long(seq.request.num_tokens_with_pending - seq.start)]
-        if (self.cap is None or lower == 0
-                or overflow >= pick_bucket(total, self.token_buckets) - total
-                or overflow > sum(seq.num_new_tokens - 1 for seq in chunks)):
+        if overflow > sum(seq.num_new_tokens - 1 for seq in chunks):
             return 0
         for seq in reversed(chunks):
             cut = min(overflow, seq.num_new_tokens - 1)

@@ -272,7 +272,7 @@ class Scheduler:
     def _schedule_waiting(self, step: _Step, now: float) -> None:
         """Admit in the queue's order until one cannot be admitted; a long prompt waiting
         for a long-prefill slot stays in its place and the ones behind it go on."""
-        growth = self._next_token_growth(self.running, step)
+        growth: int | None = None  # the running requests' next-token pages, when needed
         num_skipped = 0
         while len(self.waiting) > num_skipped and step.budget > 0:
             request = self.waiting[num_skipped]
@@ -280,6 +280,8 @@ class Scheduler:
                 # preempted in this step: resuming it now would only thrash (and its
                 # last sampled token is not on the host yet)
                 break
+            if growth is None:
+                growth = self._next_token_growth(self.running, step)
             self._schedule_deferred(step, head=request)
             if step.budget == 0:
                 break
