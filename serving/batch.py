@@ -14,7 +14,8 @@ from collections.abc import Mapping, Sequence
 import numpy as np
 
 from serving.buckets import pick_bucket, pick_seq_bucket
-from serving.scheduler import SchedulerOutput
+from serving.request import Request
+from serving.scheduler import ScheduledSeq, SchedulerOutput
 
 
 @dataclasses.dataclass
@@ -55,12 +56,56 @@ def step_bucket(scheduler_output: SchedulerOutput, token_buckets: Sequence[int],
     return T, pick_seq_bucket(T, len(scheduled), seq_buckets)
 
 
+class PageTable:
+    """Every page-holding request's page ids as one int32 row (vLLM's block table). The
+    KV cache manager reports page lists as they grow and are freed (its `listener`), so a
+    step's page table is one gather, not a walk over every request's page list."""
+
+    def __init__(self, pages_per_seq: int, num_rows: int = 64):
+        self.table = np.zeros((num_rows, pages_per_seq), np.int32)
+        self._free_rows = list(range(num_rows - 1, -1, -1))
+
+    def extend(self, request: Request, start: int) -> None:
+        ids = request.page_ids
+        if len(ids) > self.table.shape[1]:  # build_model_inputs' walk reports it
+            self.release(request)
+            return
+        if request.page_row < 0:
+            if not self._free_rows:
+                self._grow()
+            request.page_row = self._free_rows.pop()
+            start = 0
+        self.table[request.page_row, start:len(ids)] = ids[start:]
+
+    def release(self, request: Request) -> None:
+        if request.page_row >= 0:
+            self.table[request.page_row] = 0
+            self._free_rows.append(request.page_row)
+            request.page_row = -1
+
+    def rows(self, scheduled: Sequence[ScheduledSeq], num_padded_seqs: int
+             ) -> np.ndarray | None:
+        """The step's page table; None if some request has no row here."""
+        rows = np.fromiter((s.request.page_row for s in scheduled), np.int64, len(scheduled))
+        if len(rows) and rows.min() < 0:
+            return None
+        page_table = np.zeros((num_padded_seqs, self.table.shape[1]), np.int32)
+        np.take(self.table, rows, axis=0, out=page_table[:len(rows)])
+        return page_table
+
+    def _grow(self) -> None:
+        num_rows = self.table.shape[0]
+        self.table = np.concatenate([self.table, np.zeros_like(self.table)])
+        self._free_rows.extend(range(2 * num_rows - 1, num_rows - 1, -1))
+
+
 def build_model_inputs(scheduler_output: SchedulerOutput, token_buckets: Sequence[int],
                        seq_buckets: Sequence[int], page_size: int,
-                       pages_per_seq: int, prev_rows: Mapping[str, int] | None = None
-                       ) -> ModelInputs:
+                       pages_per_seq: int, prev_rows: Mapping[str, int] | None = None,
+                       page_table: PageTable | None = None) -> ModelInputs:
     """prev_rows: request id -> its row in the step before, for requests whose last token
-    that step sampled is still on the device (Request.num_pending_tokens)."""
+    that step sampled is still on the device (Request.num_pending_tokens). page_table:
+    the requests' page ids, kept as they change (else read from each request)."""
     scheduled = scheduler_output.scheduled
     num_seqs = len(scheduled)
     num_new = np.fromiter((s.num_new_tokens for s in scheduled), np.int32, num_seqs)
@@ -76,14 +121,16 @@ def build_model_inputs(scheduler_output: SchedulerOutput, token_buckets: Sequenc
     logits_index = np.zeros(S, np.int32)
     logits_index[:num_seqs] = query_start[1:num_seqs + 1] - 1
 
-    page_table = _page_table(scheduled, S, pages_per_seq)
+    table = None if page_table is None else page_table.rows(scheduled, S)
+    if table is None:
+        table = _page_table(scheduled, S, pages_per_seq)
     # Per-token sequence index and position, without a per-token Python loop.
     seq_of_token = np.repeat(np.arange(num_seqs, dtype=np.int32), num_new)
     positions = np.zeros(T, np.int32)
     positions[:num_tokens] = (np.arange(num_tokens, dtype=np.int32)
                               - query_start[seq_of_token] + starts[seq_of_token])
     slot_mapping = np.zeros(T, np.int32)
-    pages = page_table[seq_of_token, positions[:num_tokens] // page_size]
+    pages = table[seq_of_token, positions[:num_tokens] // page_size]
     slot_mapping[:num_tokens] = pages * page_size + positions[:num_tokens] % page_size
 
     token_ids = np.zeros(T, np.int32)
@@ -97,7 +144,7 @@ def build_model_inputs(scheduler_output: SchedulerOutput, token_buckets: Sequenc
                 s.request.tokens(s.start, s.start + s.num_new_tokens) for s in scheduled),
             np.int32, num_tokens)
     return ModelInputs(token_ids=token_ids, positions=positions, slot_mapping=slot_mapping,
-                       query_start=query_start, kv_lens=kv_lens, page_table=page_table,
+                       query_start=query_start, kv_lens=kv_lens, page_table=table,
                        logits_index=logits_index, num_seqs=np.array(num_seqs, np.int32),
                        num_tokens=num_tokens, prev_index=prev_index)
 

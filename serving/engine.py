@@ -18,7 +18,7 @@ from qwen_jax.sharding import make_mesh, tp_size
 from qwen_jax.tokenizer import Tokenizer
 from qwen_jax.weights import DEFAULT_MODEL_DIR, resolve_model_path
 from serving import distributed, engine_stats, kv_cache
-from serving.batch import build_model_inputs, step_bucket
+from serving.batch import PageTable, build_model_inputs, step_bucket
 from serving.buckets import bucket_pairs
 from serving.detokenizer import IncrementalDetokenizer
 from serving.engine_config import EngineConfig
@@ -137,6 +137,8 @@ class LLMEngine:
         caches = kv_cache.allocate(self.model, self.num_pages, self.page_size, dtype)
         self.kv_manager = KVCacheManager(self.num_pages, self.page_size,
                                          cache.enable_prefix_caching)
+        self.page_table = PageTable(self.pages_per_seq, sched.max_num_seqs)
+        self.kv_manager.listener = self.page_table
         self.scheduler = Scheduler(sched, self.kv_manager, swap=self._swap_manager())
         self.runner = ModelRunner(self.model, caches, max_model_len=self.max_model_len,
                                   pages_per_seq=self.pages_per_seq, mesh=self.mesh,
@@ -334,7 +336,8 @@ class LLMEngine:
                                    step_bucket(out, *buckets)[1])
         previous = self._in_flight
         batch = build_model_inputs(out, *buckets, self.page_size, self.pages_per_seq,
-                                   None if previous is None else previous.rows)
+                                   None if previous is None else previous.rows,
+                                   self.page_table)
         sampling = build_sampling_arrays(
             [self._sampling_entry(s.request) for s in out.scheduled], batch.padded_num_seqs,
             self.max_model_len, self.model_config.vocab_size,

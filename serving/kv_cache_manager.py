@@ -2,8 +2,18 @@
 
 from __future__ import annotations
 
+from typing import Protocol
+
 from serving.page_pool import ROOT_HASH, Page, PagePool, hash_page_tokens
 from serving.request import Request
+
+
+class PageListener(Protocol):
+    def extend(self, request: Request, start: int) -> None:
+        """`request.page_ids[start:]` are new."""
+
+    def release(self, request: Request) -> None:
+        """The request holds no pages any more."""
 
 
 def cdiv(a: int, b: int) -> int:
@@ -17,6 +27,9 @@ class KVCacheManager:
         self.page_size = page_size
         # request_id -> how many of its leading pages are registered in the cache.
         self._num_cached_pages: dict[str, int] = {}
+        # Told of every request's page list as it grows and when it is freed (the engine's
+        # PageTable, serving/batch.py); None: nobody mirrors the lists.
+        self.listener: PageListener | None = None
 
     @property
     def enable_prefix_caching(self) -> bool:
@@ -83,8 +96,11 @@ class KVCacheManager:
             return False
         self.pool.touch(computed)
         new_pages = self.pool.allocate(num_new_pages)
+        num_held = len(request.page_ids)
         request.page_ids.extend(page.page_id for page in computed)
         request.page_ids.extend(page.page_id for page in new_pages)
+        if self.listener is not None and len(request.page_ids) > num_held:
+            self.listener.extend(request, num_held)
         if new_computed_pages is not None and self.enable_prefix_caching:
             self.pool.record_query(request.num_tokens, len(computed) * self.page_size)
         return True
@@ -114,6 +130,8 @@ class KVCacheManager:
         self.pool.free([self.pool.pages[i] for i in reversed(request.page_ids)])
         request.page_ids.clear()
         self._num_cached_pages.pop(request.request_id, None)
+        if self.listener is not None:
+            self.listener.release(request)
 
     def _page_hashes(self, request: Request, num_pages: int) -> list[int]:
         """Chained hashes of the first `num_pages` full pages, memoised on the request."""

@@ -163,6 +163,7 @@ class Request:
     num_computed_tokens: int = 0
     status: RequestStatus = RequestStatus.WAITING
     page_ids: list[int] = dataclasses.field(default_factory=list)
+    page_row: int = -1  # its row in the engine's PageTable (serving/batch.py) while it holds pages
     num_cached_tokens: int = 0
     num_preemptions: int = 0
     # Tokens sampled by a dispatched step whose values the host has not read yet (the

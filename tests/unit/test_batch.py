@@ -90,3 +90,46 @@ def test_too_many_tokens_for_the_buckets_is_an_error():
     s = seq("x", range(20), [1, 2, 3, 4, 5], start=0, num_new=20)
     with pytest.raises(ValueError, match="exceeds the largest bucket 16"):
         build_model_inputs(SchedulerOutput([s], []), [8, 16], [4], BS, 8)
+
+
+def test_page_table_mirrors_page_lists_through_admissions_preemptions_and_finishes():
+    """The engine's PageTable (fed by the KV cache manager) gives the same step page table
+    as walking the requests' page lists, on a pool small enough to preempt, with prefix
+    hits and finished requests; and only rows of page-holding requests stay taken."""
+    import random
+
+    from serving.batch import PageTable, _page_table
+    from serving.config import SchedulerConfig
+    from serving.kv_cache_manager import KVCacheManager
+    from serving.request import RequestStatus, SamplingParams
+    from serving.scheduler import Scheduler
+
+    rng = random.Random(0)
+    pages_per_seq = 16
+    kv = KVCacheManager(num_pages=24, page_size=BS)
+    table = PageTable(pages_per_seq, num_rows=2)  # grows past 2 rows
+    kv.listener = table
+    scheduler = Scheduler(SchedulerConfig(max_num_seqs=6, max_num_batched_tokens=24,
+                                          max_model_len=pages_per_seq * BS, kv_plan_limit=1.0,
+                                          watermark=0.0), kv)
+    shared = [rng.randrange(100) for _ in range(8)]  # a common prefix: prefix-cache hits
+    num_preempted = 0
+    for i in range(12):
+        prompt = shared + [rng.randrange(100) for _ in range(rng.randrange(1, 20))]
+        scheduler.add_request(Request(f"r{i}", prompt, SamplingParams(max_tokens=12)))
+    for _ in range(200):
+        out = scheduler.schedule()
+        if out.is_empty:
+            break
+        num_preempted += len(out.preempted)
+        expected = _page_table(out.scheduled, 8, pages_per_seq)
+        assert np.array_equal(table.rows(out.scheduled, 8), expected)
+        scheduler.update_after_step(out)
+        for s in out.scheduled:
+            if s.samples:
+                s.request.append_output_token(rng.randrange(100))
+                if scheduler.is_length_capped(s.request) or rng.random() < 0.05:
+                    scheduler.finish(s.request.request_id, RequestStatus.FINISHED_STOPPED)
+    assert not scheduler.has_unfinished and num_preempted > 0
+    assert kv.pool.num_free_pages == kv.num_total_pages and not table.table.any()
+    assert sorted(table._free_rows) == list(range(table.table.shape[0]))
