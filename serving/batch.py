@@ -156,19 +156,20 @@ def _tokens_with_pending(scheduled, logits_index, prev_index, prev_rows) -> list
     for i, s in enumerate(scheduled):
         request = s.request
         stop = s.start + s.num_new_tokens
-        known = request.num_tokens
+        known = len(request.prompt_token_ids) + len(request.output_token_ids)
         if stop <= known:
             tokens += request.tokens(s.start, stop)
             continue
         # only the last token of a chunk can be pending, and the step before sampled it
-        if stop - known != 1 or request.request_id not in prev_rows:
+        row = prev_rows.get(request.request_id)
+        if stop - known != 1 or row is None:
             raise ValueError(f"request {request.request_id!r}: tokens {known}..{stop} "
                              "are not on the host and no step before sampled them")
         if known > s.start:
             tokens += request.tokens(s.start, known)
         tokens.append(0)
         rows.append(i)
-        prev.append(prev_rows[request.request_id])
+        prev.append(row)
     prev_index[logits_index[rows]] = prev
     return tokens
 

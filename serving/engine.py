@@ -367,13 +367,11 @@ class LLMEngine:
                           "bucket": flight.bucket, "seconds": seconds,
                           "num_preempted": len(out.preempted),
                           "num_admitted": out.num_admitted, "shape": _step_shape(out)}
-        for scheduled in out.scheduled:
-            if scheduled.samples:
-                scheduled.request.num_pending_tokens -= 1
         return self._process_tokens(out, result)
 
     def _process_tokens(self, out, result) -> list[RequestOutput]:
-        """Append each sampled token, check stops and grammars, emit outputs."""
+        """Take each sampled token off the pending count, append it, check stops and
+        grammars, emit outputs."""
         tokens = result.token_ids.tolist()  # one conversion, not a numpy scalar per row
         now = time.monotonic()  # every token of the step reached the host now
         seqs, parents = self._seqs, self._parents
@@ -386,6 +384,7 @@ class LLMEngine:
             if not scheduled.samples:
                 continue
             request = scheduled.request
+            request.num_pending_tokens -= 1  # its token is on the host now
             seq = seqs.get(request.request_id)
             if seq is None or request.is_finished:
                 continue
@@ -410,7 +409,7 @@ class LLMEngine:
             elif parent.finished:  # by its status, or failed by _fail
                 outputs.append(self._emit(parent))
             elif parent.stream:
-                outputs.append(request_output(parent))
+                outputs.append(request_output(parent, False))
         for parent in touched.values():
             if parent.finished:
                 outputs.append(self._emit(parent))

@@ -164,10 +164,12 @@ class OutputProcessor:
             None if seq.logprobs is None else seq.cumulative_logprob, seq.logprobs,
             FINISH_REASONS.get(request.status), request.stop_reason)
 
-    def request_output(self, parent: ParentState) -> RequestOutput:
+    def request_output(self, parent: ParentState, finished: bool | None = None) -> RequestOutput:
+        """`finished`: parent.finished, where the caller has it."""
         first = parent.children[0].request
         completion = self.completion
         return RequestOutput(
             parent.request_id, parent.prompt, parent.prompt_token_ids, parent.prompt_logprobs,
-            [completion(c) for c in parent.children], parent.finished, first.metrics,
+            [completion(c) for c in parent.children],
+            parent.finished if finished is None else finished, first.metrics,
             first.num_cached_tokens, parent.error)
