@@ -13,6 +13,8 @@
    sampler, 32 sequences): greedy, sampled, with and without logprobs, against the matmul.
 
     PYTHONPATH=. python benchmarks/engine_overlap.py [--out FILE]
+    PYTHONPATH=. python benchmarks/engine_overlap.py --skip-engine \
+        [--baseline-sampler /tmp/sampler_before.py]   # the vocabulary part, before/after
 """
 
 from __future__ import annotations
@@ -50,6 +52,9 @@ def parse_args(argv=None):
     p.add_argument("--vocab-hidden", type=int, default=128, help="the tiny model's hidden size")
     p.add_argument("--vocab-seqs", type=int, default=32)
     p.add_argument("--vocab-repeats", type=int, default=20)
+    p.add_argument("--baseline-sampler", default=None,
+                   help="a sampler.py to time beside serving/sampler.py, e.g. from "
+                        "`git show REV:serving/sampler.py > /tmp/sampler_before.py`")
     p.add_argument("--out", default=None)
     return p.parse_args(argv)
 
@@ -178,34 +183,31 @@ def vocab_work(args) -> dict:
     """The vocabulary-wide part of a step at Qwen3's vocabulary: lm-head matmul alone, then
     matmul + sampler for greedy rows, for temperature / top-p / top-k rows (logits peaked
     as a trained model's, and flat, where the candidates cannot decide top-p), and greedy
-    with logprobs asked; milliseconds (median) and ratio to the matmul."""
+    with logprobs asked. Per case the matmul and the step(s) take turns, so each ratio
+    to the matmul is of neighbouring calls: its median and range, milliseconds (median)
+    and page faults per call (the process's minor faults: fresh scratch memory)."""
     import jax
     import jax.numpy as jnp
 
+    from serving import sampler
     from serving.request import SamplingParams
-    from serving.sampler import SamplingEntry, build_sampling_arrays, sample
     s, h, v = args.vocab_seqs, args.vocab_hidden, args.vocab_size
     rng = np.random.default_rng(0)
     weight = jnp.asarray(rng.normal(size=(h, v)).astype(np.float32) / np.sqrt(h))
     matmul = jax.jit(lambda x: x @ weight)
-    step = jax.jit(lambda x, sa: sample(x @ weight, sa).token_ids)
+    samplers = {"after": sampler}
+    if args.baseline_sampler:
+        samplers["before"] = _load_sampler(args.baseline_sampler)
+    # The whole SamplerOutput: the token ids alone would let XLA drop the logprobs.
+    steps = {name: jax.jit(lambda x, sa, m=m: m.sample(x @ weight, sa))
+             for name, m in samplers.items()}
 
-    def arrays(params):
-        entries = [SamplingEntry(params, i, 0, (), None, 0) for i in range(s)]
-        return build_sampling_arrays(entries, s, 16, v)
-
-    def timed(fn, *fn_args):
-        jax.block_until_ready(fn(*fn_args))
-        times = []
-        for _ in range(args.vocab_repeats):
-            t = time.perf_counter()
-            jax.block_until_ready(fn(*fn_args))
-            times.append(time.perf_counter() - t)
-        return statistics.median(times)
+    def arrays(module, params):
+        entries = [module.SamplingEntry(params, i, 0, (), None, 0) for i in range(s)]
+        return jax.device_put(module.build_sampling_arrays(entries, s, 16, v))
 
     peaked = jnp.asarray(rng.normal(size=(s, h)).astype(np.float32) * 6.0)
     flat = peaked * (0.05 / 6.0)
-    base = timed(matmul, peaked)
     cases = {
         "greedy": (peaked, SamplingParams(temperature=0.0)),
         "greedy_logprobs_20": (peaked, SamplingParams(temperature=0.0, logprobs=20)),
@@ -215,11 +217,62 @@ def vocab_work(args) -> dict:
         "top_p_flat_logits": (flat, SamplingParams(temperature=0.8, top_p=0.9)),
         "temperature_only": (peaked, SamplingParams(temperature=0.8)),
     }
-    out = {"num_seqs": s, "hidden": h, "vocab": v, "lm_head_ms": round(1e3 * base, 2)}
+    out: dict = {"num_seqs": s, "hidden": h, "vocab": v}
     for name, (x, params) in cases.items():
-        seconds = timed(step, x, arrays(params))
-        out[name] = {"ms": round(1e3 * seconds, 2), "x_lm_head": round(seconds / base, 2)}
+        calls = {"lm_head": (matmul, (x,))}
+        calls.update({k: (steps[k], (x, arrays(samplers[k], params))) for k in steps})
+        times, faults = _take_turns(calls, args.vocab_repeats)
+        out[name] = {"lm_head_ms": round(1e3 * statistics.median(times["lm_head"]), 2)}
+        for k in steps:
+            ratios = [a / b for a, b in zip(times[k], times["lm_head"])]
+            out[name][k] = {"ms": round(1e3 * statistics.median(times[k]), 2),
+                            "x_lm_head": round(statistics.median(ratios), 2),
+                            "x_range": [round(min(ratios), 2), round(max(ratios), 2)],
+                            "page_faults": faults[k]}
     return out
+
+
+def _take_turns(calls: dict, repeats: int):
+    """Each call once to compile, then `repeats` rounds of one call each: seconds per call,
+    and the median minor page faults per call."""
+    import resource
+
+    import jax
+    for fn, fn_args in calls.values():
+        jax.block_until_ready(fn(*fn_args))
+    times: dict = {k: [] for k in calls}
+    faults: dict = {k: [] for k in calls}
+    for _ in range(repeats):
+        for k, (fn, fn_args) in calls.items():
+            before = resource.getrusage(resource.RUSAGE_SELF).ru_minflt
+            t = time.perf_counter()
+            jax.block_until_ready(fn(*fn_args))
+            times[k].append(time.perf_counter() - t)
+            faults[k].append(resource.getrusage(resource.RUSAGE_SELF).ru_minflt - before)
+    return times, {k: int(statistics.median(f)) for k, f in faults.items()}
+
+
+def _load_sampler(path: str):
+    """Another version of serving/sampler.py as a module of its own. It registers
+    serving.structured.TokenMask as a pytree again, which is already done: skipped."""
+    import importlib.util
+    from unittest import mock
+
+    import jax
+
+    from serving.structured import TokenMask
+    spec = importlib.util.spec_from_file_location("baseline_sampler", path)
+    assert spec is not None and spec.loader is not None, path
+    module = importlib.util.module_from_spec(spec)
+    sys.modules[spec.name] = module  # dataclasses look their module up
+    register = jax.tree_util.register_dataclass
+
+    def register_once(cls, *a, **k):
+        return cls if cls is TokenMask else register(cls, *a, **k)
+
+    with mock.patch.object(jax.tree_util, "register_dataclass", register_once):
+        spec.loader.exec_module(module)
+    return module
 
 
 def main(argv=None) -> dict:

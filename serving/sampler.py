@@ -193,6 +193,8 @@ def uniform_from_bits(bits):
 
 
 NUM_CANDIDATES = 1024  # the most likely tokens that top-k / top-p / min-p look at first
+NUM_FEW_CANDIDATES = 64  # ... and before them: enough for common top-k and peaked top-p
+CANDIDATE_BLOCK = 128  # tokens per block when finding the few (`_block_top_k`)
 
 
 def _keep(sorted_logits, log_normalizer, sa: SamplingArrays):
@@ -226,22 +228,49 @@ def _sorted_sample(scaled, sa: SamplingArrays):
 
 def _filtered_sample(scaled, sa: SamplingArrays, rows):
     """Top-k, then top-p and min-p; Gumbel-max over what is kept. `rows`: the rows whose
-    token counts. They look at the NUM_CANDIDATES most likely tokens (a partial top-k, not
-    a sort of the vocabulary) when those decide every such row: top-k within them, or
-    they hold top-p's mass, or the last is below min-p's floor. Otherwise the whole
-    vocabulary is sorted. Either way the same tokens are kept."""
+    token counts. They look at the NUM_FEW_CANDIDATES most likely tokens first, then at
+    NUM_CANDIDATES (partial top-k, not a sort of the vocabulary), as long as those decide
+    every such row: top-k within them, or they hold top-p's mass, or the last is below
+    min-p's floor. Otherwise the whole vocabulary is sorted. Either way the same tokens
+    are kept."""
     if scaled.shape[-1] <= NUM_CANDIDATES:
         return _sorted_sample(scaled, sa)
-    kept, top_ids, decided = _candidates(scaled, sa)
-    return jax.lax.cond(jnp.all(decided | ~rows), lambda: _choose(kept, top_ids, sa),
-                        lambda: _sorted_sample(scaled, sa))
+
+    def wider():
+        kept, top_ids, decided = _candidates(scaled, sa, NUM_CANDIDATES)
+        return jax.lax.cond(jnp.all(decided | ~rows), lambda: _choose(kept, top_ids, sa),
+                            lambda: _sorted_sample(scaled, sa))
+
+    kept, top_ids, decided = _candidates(scaled, sa, NUM_FEW_CANDIDATES)
+    return jax.lax.cond(jnp.all(decided | ~rows), lambda: _choose(kept, top_ids, sa), wider)
 
 
-def _candidates(scaled, sa: SamplingArrays):
-    """The NUM_CANDIDATES most likely tokens of each row: what the filters keep of them,
-    their ids, and whether they decide the row (nothing past them could be kept)."""
-    width = NUM_CANDIDATES
-    top_logits, top_ids = jax.lax.top_k(scaled, width)
+def _block_top_k(logits, k: int):
+    """`jax.lax.top_k(logits, k)`, the same values and ids in the same order (ties: lower
+    id first), reading the vocabulary once for block maxima: the k most likely tokens lie
+    in the k blocks of CANDIDATE_BLOCK tokens with the highest maxima (ties: lower block
+    first), so only those blocks are searched, in id order."""
+    num_rows, vocab = logits.shape
+    width = CANDIDATE_BLOCK
+    padded = -(-vocab // width) * width
+    if padded != vocab:  # -inf past the vocabulary, after every real token in ties
+        logits = jnp.pad(logits, ((0, 0), (0, padded - vocab)), constant_values=-jnp.inf)
+    blocks = logits.reshape(num_rows, padded // width, width)
+    _, block_ids = jax.lax.top_k(blocks.max(axis=-1), k)
+    block_ids = jnp.sort(block_ids, axis=-1)  # [R, k] ascending: candidates in id order
+    candidates = jnp.take_along_axis(blocks, block_ids[:, :, None], axis=1)
+    values, index = jax.lax.top_k(candidates.reshape(num_rows, k * width), k)
+    ids = jnp.take_along_axis(block_ids, index // width, axis=-1) * width + index % width
+    return values, ids
+
+
+def _candidates(scaled, sa: SamplingArrays, width: int = NUM_CANDIDATES):
+    """The `width` most likely tokens of each row: what the filters keep of them, their
+    ids, and whether they decide the row (nothing past them could be kept)."""
+    if width * CANDIDATE_BLOCK <= scaled.shape[-1] // 4:
+        top_logits, top_ids = _block_top_k(scaled, width)
+    else:
+        top_logits, top_ids = jax.lax.top_k(scaled, width)
     k_inside = (sa.top_k > 0) & (sa.top_k <= width)
     topk_masked = jnp.where(jnp.arange(width)[None, :] < sa.top_k[:, None], top_logits,
                             -jnp.inf)
@@ -299,44 +328,85 @@ def token_logprobs(logprobs: jax.Array, tokens: jax.Array) -> TokenLogprobs:
 def sample(logits: jax.Array, sa: SamplingArrays) -> SamplerOutput:
     """logits: f32[S, V] -> sampled ids and logprobs of the raw distribution.
 
-    Every vocabulary-wide part runs under `lax.cond`, only in steps where some row needs
-    it: the grammar mask (structured outputs), the min_tokens block, penalties, random
-    sampling, logprobs. The branches return tokens, not logits, so a step that needs
-    none of them never copies the [S, V] logits."""
+    A plain greedy step is the argmax alone. Everything else runs under `lax.cond`, only
+    in steps where some row needs it: the grammar mask (structured outputs), the
+    min_tokens block, penalties, random sampling, logprobs. On CPU those branches take
+    CPU_ROW_CHUNK rows at a time: their [S, V] temporaries would otherwise grow the step's
+    scratch buffer (one allocation, sized for every branch) past what the allocator
+    reuses, and every step, greedy ones too, would page-fault ~S * V * 4 bytes afresh."""
+    num_seqs, vocab = logits.shape
+    num_top = min(NUM_TOP_LOGPROBS, vocab)
+
+    def rows(logits, sa):
+        """The branches for some rows (their tokens never depend on the other rows')."""
+        token = jax.lax.cond(_special(sa), lambda: _processed(logits, sa),
+                             lambda: _argmax(logits))
+        # Log-softmax and the top-20 of the raw distribution, only when some row asked.
+        logprobs = jax.lax.cond(
+            sa.want_logprobs, lambda: token_logprobs(jax.nn.log_softmax(logits, axis=-1), token),
+            lambda: _no_logprobs(logits.shape[0], num_top))
+        return token, logprobs
+
+    def chunked(chunk):
+        return lambda: _by_row_chunks(rows, chunk, logits, sa)
+
+    token, logprobs = jax.lax.cond(
+        _special(sa) | sa.want_logprobs,
+        lambda: jax.lax.platform_dependent(cpu=chunked(CPU_ROW_CHUNK),
+                                           default=chunked(num_seqs)),
+        lambda: (_argmax(logits), _no_logprobs(num_seqs, num_top)))
+    return SamplerOutput(token_ids=token, logprobs=logprobs)
+
+
+def _special(sa: SamplingArrays):
+    """Whether some row needs more than the argmax of its raw logits."""
+    masked = jnp.bool_(False) if sa.token_mask is None else sa.token_mask.active
+    return masked | jnp.any((sa.blocked_ids >= 0).any(axis=-1) | (sa.presence_penalty != 0)
+                            | (sa.frequency_penalty != 0) | (sa.repetition_penalty != 1)
+                            | (sa.temperature >= SAMPLING_EPS))
+
+
+def _argmax(logits):
+    return jnp.argmax(logits, axis=-1).astype(jnp.int32)
+
+
+CPU_ROW_CHUNK = 2  # rows per pass of the sampler's branches on CPU (see `sample`)
+
+
+def _by_row_chunks(fn, chunk: int, *args):
+    """fn over `chunk` rows at a time (a scan; one pass when chunk covers every row). The
+    leading axis of each non-scalar leaf of args is the row; scalars go to every pass."""
+    num_rows = jax.tree.leaves(args[0])[0].shape[0]
+    chunk = np.gcd(num_rows, chunk)
+    if chunk == num_rows:
+        return fn(*args)
+    num_chunks = num_rows // chunk
+    split = jax.tree.map(lambda a: a.reshape(num_chunks, chunk, *a.shape[1:]) if a.ndim
+                         else jnp.broadcast_to(a, (num_chunks,)), args)
+    _, out = jax.lax.scan(lambda carry, xs: (carry, fn(*xs)), None, split)
+    return jax.tree.map(lambda a: a.reshape(num_rows, *a.shape[2:]), out)
+
+
+def _processed(logits, sa: SamplingArrays):
+    """The grammar mask, the min_tokens block and penalties, then each row's pick."""
     num_seqs, vocab = logits.shape
     mask = sa.token_mask
-    masked = jnp.bool_(False) if mask is None else mask.active
-    blocks = jnp.any(sa.blocked_ids >= 0)
+    if mask is not None:
+        logits = jax.lax.cond(mask.active, lambda: apply_token_mask(logits, mask.bits),
+                              lambda: logits)
+    rows = jnp.broadcast_to(jnp.arange(num_seqs)[:, None], sa.blocked_ids.shape)
+    blocked = jnp.where(sa.blocked_ids >= 0, sa.blocked_ids, vocab)
+    logits = logits.at[rows, blocked].set(-jnp.inf, mode="drop")
     any_penalty = jnp.any((sa.presence_penalty != 0) | (sa.frequency_penalty != 0)
                           | (sa.repetition_penalty != 1))
-
-    def processed():
-        out = logits
-        if mask is not None:
-            out = jax.lax.cond(mask.active, lambda: apply_token_mask(out, mask.bits),
-                               lambda: out)
-        rows = jnp.broadcast_to(jnp.arange(num_seqs)[:, None], sa.blocked_ids.shape)
-        blocked = jnp.where(sa.blocked_ids >= 0, sa.blocked_ids, vocab)
-        out = out.at[rows, blocked].set(-jnp.inf, mode="drop")
-        out = jax.lax.cond(any_penalty, lambda: _apply_penalties(out, sa), lambda: out)
-        return _pick(out, sa)
-
-    # A plain greedy step's answer is the argmax, computed outside any branch (XLA fuses
-    # it with the logits best there); the rest runs only when some row needs it.
-    greedy = jnp.argmax(logits, axis=-1).astype(jnp.int32)
-    special = masked | blocks | any_penalty | jnp.any(sa.temperature >= SAMPLING_EPS)
-    token = jnp.where(special, jax.lax.cond(special, processed,
-                                            lambda: jnp.zeros(num_seqs, jnp.int32)), greedy)
-    # Log-softmax and the top-20 of the raw distribution, only when some row asked.
-    logprobs = jax.lax.cond(
-        sa.want_logprobs, lambda: token_logprobs(jax.nn.log_softmax(logits, axis=-1), token),
-        lambda: _no_logprobs(num_seqs, min(NUM_TOP_LOGPROBS, vocab)))
-    return SamplerOutput(token_ids=token, logprobs=logprobs)
+    logits = jax.lax.cond(any_penalty, lambda: _apply_penalties(logits, sa), lambda: logits)
+    return _pick(logits, sa)
 
 
 def _pick(logits, sa: SamplingArrays):
     """Greedy rows' argmax; random sampling only when some row samples."""
-    greedy = jnp.argmax(logits, axis=-1).astype(jnp.int32)
+    greedy = jax.lax.cond(jnp.any(sa.temperature < SAMPLING_EPS), lambda: _argmax(logits),
+                          lambda: jnp.zeros(logits.shape[0], jnp.int32))
     return jax.lax.cond(
         jnp.all(sa.temperature < SAMPLING_EPS), lambda: greedy,
         lambda: jnp.where(sa.temperature < SAMPLING_EPS, greedy, _random_sample(logits, sa)))

@@ -176,3 +176,58 @@ def test_candidate_filtering_keeps_what_the_full_sort_keeps(peaked):
     assert len(set(fast.tolist())) > 1
     decided = np.asarray(jax.jit(_candidates)(scaled, sa)[2])
     assert decided.all() if peaked else not decided[::4].any()  # flat: top-p rows fall back
+
+
+def test_block_top_k_equals_top_k_with_ties_and_a_ragged_vocabulary():
+    """The few candidates found through block maxima are lax.top_k's: values, ids, order
+    (ties broken towards the lower id), also where the vocabulary is no multiple of the
+    block and where whole blocks are -inf."""
+    from serving.sampler import CANDIDATE_BLOCK, NUM_FEW_CANDIDATES, _block_top_k
+    vocab = 100 * CANDIDATE_BLOCK + 37
+    logits = np.random.default_rng(4).integers(0, 6, size=(6, vocab)).astype(np.float32)
+    logits[1, :] = -np.inf
+    logits[1, [3, 900, vocab - 1]] = 2.0
+    logits[2, : 50 * CANDIDATE_BLOCK] = -np.inf
+    fast = jax.device_get(jax.jit(_block_top_k, static_argnums=1)(logits, NUM_FEW_CANDIDATES))
+    full = jax.device_get(jax.lax.top_k(logits, NUM_FEW_CANDIDATES))
+    np.testing.assert_array_equal(fast[0], full[0])
+    np.testing.assert_array_equal(fast[1], full[1])
+
+
+@pytest.mark.parametrize("spread", [6.0, 1.0])
+def test_few_candidates_draw_what_the_full_sort_draws(spread):
+    """Over a vocabulary wide enough for the block search, rows decided by the few
+    candidates (spread 6: peaked) and rows that need the wider ones (spread 1: top-p 0.9
+    needs more than 64 tokens) draw the full sort's tokens."""
+    from serving.sampler import NUM_FEW_CANDIDATES, _candidates, _filtered_sample, _sorted_sample
+    vocab, rows = 40_000, 16
+    logits = np.random.default_rng(5).normal(size=(rows, vocab)) * spread
+    params = [SamplingParams(temperature=0.8, top_p=0.9, top_k=50),
+              SamplingParams(temperature=0.8, top_p=0.9), SamplingParams(min_p=0.1),
+              SamplingParams(top_k=NUM_FEW_CANDIDATES + 1)]
+    entries = [SamplingEntry(params[i % 4], 200 + i, i, (), None, 0) for i in range(rows)]
+    sa = build_sampling_arrays(entries, rows, 16, vocab)
+    scaled = np.asarray(logits / sa.temperature[:, None], np.float32)
+    fast = jax.device_get(jax.jit(_filtered_sample)(scaled, sa, np.ones(rows, bool)))
+    np.testing.assert_array_equal(fast, jax.device_get(jax.jit(_sorted_sample)(scaled, sa)))
+    decided = np.asarray(jax.jit(_candidates, static_argnums=2)(scaled, sa,
+                                                                NUM_FEW_CANDIDATES)[2])
+    assert decided[::4].all() and not decided[3::4].any()  # top-k 50 inside, 65 not
+    assert decided[1::4].all() if spread == 6.0 else not decided[1::4].any()
+
+
+def test_row_chunks_sample_what_one_pass_samples(monkeypatch):
+    """On CPU the sampler's branches take CPU_ROW_CHUNK rows at a time; every row's token
+    and logprobs are what one pass over all rows gives."""
+    import serving.sampler as sampler
+    logits = np.random.default_rng(6).normal(size=(6, 3000)).astype(np.float32) * 4
+    params = [SamplingParams(temperature=0.0, logprobs=3), SamplingParams(temperature=0.7),
+              SamplingParams(temperature=0.9, top_p=0.8, top_k=20)]
+    entries = [SamplingEntry(params[i % 3], 300 + i, i, (5,) if i == 4 else (), None, 0)
+               for i in range(6)]
+    sa = build_sampling_arrays(entries, 6, 16, 3000)
+    chunked = jax.device_get(jax.jit(sample)(logits, sa))
+    monkeypatch.setattr(sampler, "CPU_ROW_CHUNK", 6)
+    whole = jax.device_get(jax.jit(sample)(logits, sa))
+    for a, b in zip(jax.tree.leaves(chunked), jax.tree.leaves(whole)):
+        np.testing.assert_array_equal(a, b)
