@@ -39,7 +39,7 @@ from serving.runner import (
     default_compilation_cache_dir,
     enable_compilation_cache,
 )
-from serving.sampler import NUM_BLOCKED, SamplingEntry, build_sampling_arrays
+from serving.sampler import NUM_BLOCKED, SamplingEntry, build_sampling_arrays, sampling_row
 from serving.scheduler import Scheduler, SchedulerOutput
 from serving.step_cost import StepShape
 from serving.structured import GrammarCompiler, Guide, MaskBuilder
@@ -453,8 +453,10 @@ class LLMEngine:
         num_output = len(request.output_token_ids) + request.num_pending_tokens
         blocked = seq.blocked_ids if num_output < params.min_tokens else ()
         tokens = request.all_token_ids if seq.uses_penalties else None
+        if seq.sampling_row is None:
+            seq.sampling_row = sampling_row(params, seq.seed)
         return SamplingEntry(params, seq.seed, num_output, blocked, tokens,
-                             len(request.prompt_token_ids))
+                             len(request.prompt_token_ids), seq.sampling_row)
 
     def _emit(self, parent: ParentState) -> RequestOutput:
         output = self.output_processor.request_output(parent)

@@ -9,6 +9,7 @@ from __future__ import annotations
 
 import dataclasses
 import functools
+import itertools
 from collections.abc import Sequence
 
 import jax
@@ -58,6 +59,15 @@ class SamplingEntry:
     blocked_ids: tuple[int, ...]  # ids masked this step (eos/stop ids before min_tokens)
     penalty_tokens: list[int] | None  # prompt + output ids; None unless penalties apply
     num_prompt_tokens: int
+    row: tuple | None = None  # sampling_row(params, seed), where the caller keeps it
+
+
+def sampling_row(params: SamplingParams, seed: int) -> tuple:
+    """A sequence's fixed sampling values in `_ROW_COLUMNS` order (a sequence's row is the
+    same every step, so the engine computes it once)."""
+    return (params.temperature, params.top_p, max(params.top_k, 0), params.min_p,
+            params.presence_penalty, params.frequency_penalty, params.repetition_penalty,
+            seed, params.logprobs is not None)
 
 
 @jax.tree_util.register_dataclass
@@ -78,6 +88,14 @@ class SamplerOutput:
 
     token_ids: jax.Array | np.ndarray  # i32[S]
     logprobs: TokenLogprobs | None  # zeros on the device, None on the host, when not asked
+
+
+# SamplingArrays fields of sampling_row's values: (name, dtype, padding rows' value)
+_ROW_COLUMNS = (("temperature", np.float32, 0), ("top_p", np.float32, 1),
+                ("top_k", np.int32, 0), ("min_p", np.float32, 0),
+                ("presence_penalty", np.float32, 0), ("frequency_penalty", np.float32, 0),
+                ("repetition_penalty", np.float32, 1), ("seed", np.uint32, 0))
+_PADDING_ROW = tuple(pad for _, _, pad in _ROW_COLUMNS) + (False,)
 
 
 @functools.lru_cache(maxsize=64)
@@ -103,27 +121,23 @@ def build_sampling_arrays(entries: Sequence[SamplingEntry], num_padded_seqs: int
     """One row per real sequence's entry; rows past them are greedy padding. `token_mask`:
     the grammar rows' allowed tokens this step (None: no row is constrained)."""
     s, n = num_padded_seqs, len(entries)
-    params = [e.params for e in entries]
-
-    def column(values, dtype, pad):
-        array = np.full(s, pad, dtype)
-        array[:n] = values
-        return array
-
+    # Every fixed value of every row through one float64 table (exact for u32 seeds).
+    table = np.empty((s, len(_PADDING_ROW)), np.float64)
+    table[n:] = _PADDING_ROW
+    if n:
+        rows = [e.row if e.row is not None else sampling_row(e.params, e.seed)
+                for e in entries]
+        table[:n] = np.fromiter(itertools.chain.from_iterable(rows), np.float64,
+                                n * len(_PADDING_ROW)).reshape(n, -1)
+    columns = {name: table[:, j].astype(dtype) for j, (name, dtype, _) in enumerate(_ROW_COLUMNS)}
+    output_index = np.zeros(s, np.int32)
+    output_index[:n] = np.fromiter((e.output_index for e in entries), np.int32, n)
     arrays = SamplingArrays(
-        temperature=column([p.temperature for p in params], np.float32, 0),
-        top_p=column([p.top_p for p in params], np.float32, 1),
-        top_k=column([max(p.top_k, 0) for p in params], np.int32, 0),
-        min_p=column([p.min_p for p in params], np.float32, 0),
-        presence_penalty=column([p.presence_penalty for p in params], np.float32, 0),
-        frequency_penalty=column([p.frequency_penalty for p in params], np.float32, 0),
-        repetition_penalty=column([p.repetition_penalty for p in params], np.float32, 1),
-        seed=column([e.seed for e in entries], np.uint32, 0),
-        output_index=column([e.output_index for e in entries], np.int32, 0),
+        **columns, output_index=output_index,
         blocked_ids=np.full((s, NUM_BLOCKED), -1, np.int32),
         penalty_tokens=_no_penalty_tokens(s, max_model_len),
         num_prompt_tokens=np.zeros(s, np.int32),
-        want_logprobs=np.array(any(p.logprobs is not None for p in params)),
+        want_logprobs=np.array(bool(table[:n, -1].any())),
         token_mask=_no_token_mask(s, vocab_size) if token_mask is None else token_mask)
     for i, entry in enumerate(entries):  # rows with min_tokens or penalties only
         if entry.blocked_ids:
