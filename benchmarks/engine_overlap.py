@@ -2,7 +2,9 @@
 
 1. Host cost per step: `engine.step()` with N running decode sequences (N = 1, 8, 64,
    256) and the device step replaced by an instant fake: schedule + inputs + sampling
-   arrays + output processing, serial and overlapped.
+   arrays + output processing, serial and overlapped; the overlapped step's parts; and a
+   fixed pure-Python loop timed between steps, so runs on this noisy machine (and two
+   checkouts, before/after) compare as ratios.
 2. A fake device step of fixed duration d (default 2 ms and 12 ms, H200 estimates of a
    Qwen3-30B-A3B decode step at batch 1 and 64): the fake device runs the dispatched steps
    one after another, in real time, while the host goes on (it sleeps; it does not use a
@@ -13,6 +15,7 @@
    sampler, 32 sequences): greedy, sampled, with and without logprobs, against the matmul.
 
     PYTHONPATH=. python benchmarks/engine_overlap.py [--out FILE]
+    PYTHONPATH=. python benchmarks/engine_overlap.py --host-only   # host cost, before/after
     PYTHONPATH=. python benchmarks/engine_overlap.py --skip-engine \
         [--baseline-sampler /tmp/sampler_before.py]   # the vocabulary part, before/after
 """
@@ -48,6 +51,9 @@ def parse_args(argv=None):
     p.add_argument("--compilation-cache-dir", default="default")
     p.add_argument("--skip-real", action="store_true")
     p.add_argument("--skip-engine", action="store_true", help="only the vocabulary part")
+    p.add_argument("--host-only", action="store_true",
+                   help="only the host cost per step (no vocabulary part, fake device or "
+                        "real model): what to run on two checkouts for before/after")
     p.add_argument("--vocab-size", type=int, default=151936)
     p.add_argument("--vocab-hidden", type=int, default=128, help="the tiny model's hidden size")
     p.add_argument("--vocab-seqs", type=int, default=32)
@@ -126,6 +132,56 @@ def timed_steps(engine, device: FakeDevice, steps: int) -> list[float]:
     return walls
 
 
+def calibration() -> float:
+    """Seconds of a fixed pure-Python loop: run between the timed steps, it tells how fast
+    this (shared, noisy) CPU ran Python meanwhile, so runs can be compared as ratios."""
+    t = time.perf_counter()
+    x = 0
+    for i in range(20000):
+        x += i * i % 7
+    return time.perf_counter() - t
+
+
+def host_cost(engine, steps: int) -> dict:
+    """Median host ms per step with an instant fake device, the calibration loop's median
+    between them, their ratio, and (overlapped) the median ms of each part of a step."""
+    engine.runner.dispatch = FakeDevice(0.0).dispatch
+    for _ in range(3):
+        engine.step()
+    parts = {"schedule": (engine.scheduler, "schedule"),
+             "launch": (engine, "_launch"),  # inputs, sampling arrays, dispatch
+             "outputs": (engine, "_process_tokens"),
+             "update_after_step": (engine.scheduler, "update_after_step")}
+    spent: dict = {name: [] for name in parts}
+    originals = {name: getattr(obj, attr) for name, (obj, attr) in parts.items()}
+
+    def timed(name, fn):
+        def call(*a, **k):
+            t = time.perf_counter()
+            result = fn(*a, **k)
+            spent[name].append(time.perf_counter() - t)
+            return result
+        return call
+
+    for name, (obj, attr) in parts.items():
+        setattr(obj, attr, timed(name, originals[name]))
+    walls, calib = [], []
+    try:
+        for _ in range(steps):
+            t = time.perf_counter()
+            engine.step()
+            walls.append(time.perf_counter() - t)
+            calib.append(calibration())
+    finally:
+        for name, (obj, attr) in parts.items():
+            setattr(obj, attr, originals[name])
+    wall, reference = statistics.median(walls), statistics.median(calib)
+    return {"ms": round(1e3 * wall, 3), "calibration_ms": round(1e3 * reference, 3),
+            "x_calibration": round(wall / reference, 3),
+            "parts_ms": {name: round(1e3 * statistics.median(v), 3)
+                         for name, v in spent.items() if v}}
+
+
 def fake_device_runs(args) -> dict:
     out: dict = {"host_ms_per_step": {}, "fake_device": {}}
     for n in args.seqs:
@@ -134,10 +190,9 @@ def fake_device_runs(args) -> dict:
                                          args.compilation_cache_dir)
                    for mode in ("serial", "overlapped")}
         for mode, engine in engines.items():
-            walls = timed_steps(engine, FakeDevice(0.0), args.steps)
-            row[mode] = round(1e3 * statistics.median(walls), 3)
+            row[mode] = host_cost(engine, args.steps)
         out["host_ms_per_step"][str(n)] = row
-        for d in args.device_ms:
+        for d in ([] if args.host_only else args.device_ms):
             cell: dict = {}
             for mode, engine in engines.items():
                 walls = timed_steps(engine, FakeDevice(d / 1e3), args.steps)
@@ -145,7 +200,8 @@ def fake_device_runs(args) -> dict:
                 cell[mode] = {"wall_ms": round(1e3 * wall, 3),
                               "efficiency": round(d / 1e3 / wall, 3)}
             out["fake_device"].setdefault(f"{d:g}ms", {})[str(n)] = cell
-        print(json.dumps({"seqs": n, **row}), file=sys.stderr, flush=True)
+        print(json.dumps({"seqs": n, **{m: r["ms"] for m, r in row.items()}}),
+              file=sys.stderr, flush=True)
     return out
 
 
@@ -277,13 +333,15 @@ def _load_sampler(path: str):
 
 def main(argv=None) -> dict:
     args = parse_args(argv)
-    report = {"args": vars(args), "vocab_work": vocab_work(args)}
-    print(json.dumps(report["vocab_work"]), file=sys.stderr, flush=True)
+    report: dict = {"args": vars(args)}
+    if not args.host_only:
+        report["vocab_work"] = vocab_work(args)
+        print(json.dumps(report["vocab_work"]), file=sys.stderr, flush=True)
     if args.skip_engine:
         print(json.dumps(report, indent=1))
         return report
     report.update(fake_device_runs(args))
-    if not args.skip_real:
+    if not (args.skip_real or args.host_only):
         report["tiny_model_cpu"] = real_model(args)
     text = json.dumps(report, indent=1)
     print(text)

@@ -9,10 +9,10 @@ from collections.abc import Iterable, Sequence
 
 from qwen_jax.tokenizer import Tokenizer
 
-try:  # tokenizers >= 0.22: the same prefix/read-offset decoding, one Rust call per token
-    from tokenizers.decoders import DecodeStream
+try:  # newer tokenizers releases: the same prefix/read-offset decoding, one Rust call per token
+    from tokenizers.decoders import DecodeStream as _DecodeStream
 except ImportError:  # pragma: no cover - older tokenizers: two decode calls per token
-    DecodeStream = None
+    _DecodeStream = None  # type: ignore[assignment, misc]
 
 _REPLACEMENT_CHAR = "\ufffd"
 # Prompt tokens decoded ahead of the output so the first output token is detokenized in context.
@@ -43,12 +43,12 @@ class IncrementalDetokenizer:
         self.stop_reason: str | None = None
         self._stream = None
         backend = getattr(tokenizer, "backend", None)
-        if DecodeStream is not None and backend is not None:
+        if _DecodeStream is not None and backend is not None:
             try:
-                self._stream = DecodeStream(ids=self._window,
+                self._stream = _DecodeStream(ids=self._window,
                                             skip_special_tokens=skip_special_tokens)
                 self._backend = backend
-            except TypeError:  # tokenizers 0.21: no prompt context, so decode in Python
+            except TypeError:  # a release without the `ids` (prompt context) argument
                 self._stream = None
 
     @property
