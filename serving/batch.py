@@ -155,6 +155,13 @@ def _tokens_with_pending(scheduled, logits_index, prev_index, prev_rows) -> list
     rows, prev = [], []
     for i, s in enumerate(scheduled):
         request = s.request
+        if s.num_new_tokens == 1 and s.samples and request.num_pending_tokens:
+            row = prev_rows.get(request.request_id)  # a decode of its pending token
+            if row is not None:
+                tokens.append(0)
+                rows.append(i)
+                prev.append(row)
+                continue
         stop = s.start + s.num_new_tokens
         known = len(request.prompt_token_ids) + len(request.output_token_ids)
         if stop <= known:
