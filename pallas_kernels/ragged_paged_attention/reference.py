@@ -4,7 +4,9 @@ Query rows are grouped into blocks of B rows of one sequence (B from the step's 
 token and sequence counts, 1 for decode steps), and each block gathers its sequence's
 keys once: a prefill chunk of Q rows reads its context Q / B times, not Q times. The
 keys are visited in chunks of pages with an online softmax, up to the furthest real
-position (a dynamic trip count), so the cost follows the real context.
+position (a dynamic trip count), so the cost follows the real context; the blocks are
+sorted by context length and run in groups, each group to its own furthest position, so
+a long decode beside short prefill chunks does not stretch them all.
 """
 
 import dataclasses
@@ -16,8 +18,11 @@ from jax.typing import ArrayLike
 from pallas_kernels.array_types import Array, Float, Int, Shaped
 
 # At most this many query blocks gather their keys at once (a bound on the gathered
-# [blocks, C, K, H] keys; more blocks run in groups under lax.map).
+# [blocks, C, K, H] keys; more blocks run in more groups under lax.map).
 _MAX_BLOCKS = 128
+# Blocks run in this many groups (sorted by context length, so each group visits only the
+# key chunks its own longest context needs) once there are 4 blocks a group or more.
+_GROUPS = 4
 # Pages of keys per online-softmax step.
 _CHUNK_PAGES = 8
 
@@ -48,8 +53,8 @@ def _dequant(pages, scale):
 @jax.tree_util.register_dataclass
 @dataclasses.dataclass(frozen=True)
 class ReferencePlan:
-    """A step's query blocks (NB blocks of B rows, each within one sequence) and where
-    each query row's output sits among them."""
+    """A step's query blocks (NB blocks of B rows, each within one sequence), longest
+    context first, and where each query row's output sits among them."""
     block_seq: jax.Array   # int32[NB] sequence of each block (0 for empty blocks)
     block_rows: jax.Array  # int32[NB, B] query row of each slot (0 where none)
     block_pos: jax.Array   # int32[NB, B] absolute position of each slot, -1 where none
@@ -81,12 +86,16 @@ def plan_attention_reference(query_start, kv_lens, num_seqs, *, num_tokens, num_
     ctx_start = kv_lens - q_lens  # first position of each sequence's chunk
     block_pos = jnp.where(real_slot, (ctx_start[block_seq] - query_start[block_seq])[:, None]
                           + block_rows, -1)
+    # Blocks sorted by their last position, longest context first.
+    order = jnp.argsort(-jnp.max(block_pos, axis=1)).astype(jnp.int32)          # [NB]
+    sorted_at = jnp.zeros_like(order).at[order].set(block)                      # [NB]
     seq, _, valid = token_positions(query_start, kv_lens, num_seqs, num_tokens)
     offset = jnp.arange(num_tokens, dtype=jnp.int32) - query_start[seq]         # [T]
-    row_slot = (block_start[seq] + offset // rows) * rows + offset % rows
-    return ReferencePlan(block_seq=block_seq,
-                         block_rows=jnp.where(real_slot, block_rows, 0).astype(jnp.int32),
-                         block_pos=block_pos.astype(jnp.int32),
+    row_slot = sorted_at[jnp.minimum(block_start[seq] + offset // rows, num_blocks - 1)]
+    row_slot = row_slot * rows + offset % rows
+    return ReferencePlan(block_seq=block_seq[order],
+                         block_rows=jnp.where(real_slot, block_rows, 0)[order].astype(jnp.int32),
+                         block_pos=block_pos[order].astype(jnp.int32),
                          row_slot=jnp.where(valid, row_slot, 0).astype(jnp.int32),
                          valid=valid)
 
@@ -179,15 +188,16 @@ def ragged_paged_attention_reference(
     qb = q.astype(jnp.float32)[plan.block_rows]                           # [NB, B, N, H]
     pages = page_table[plan.block_seq]                                    # [NB, pages]
     attend = lambda args: _attend_blocks(*args, k_pages, v_pages, k_scale, v_scale, sm_scale)
-    if num_blocks <= _MAX_BLOCKS:
+    groups = max(_GROUPS if num_blocks >= 4 * _GROUPS else 1, -(-num_blocks // _MAX_BLOCKS))
+    if groups == 1:
         out = attend((qb, plan.block_pos, pages))
-    else:
-        groups = -(-num_blocks // _MAX_BLOCKS)
-        pad = groups * _MAX_BLOCKS - num_blocks
+    else:  # plan order: the groups' contexts shrink from the first to the last
+        size = -(-num_blocks // groups)
+        pad = groups * size - num_blocks
         grouped = lambda x, fill: jnp.pad(x, [(0, pad)] + [(0, 0)] * (x.ndim - 1),
-                                          constant_values=fill).reshape(
-            groups, _MAX_BLOCKS, *x.shape[1:])
+                                          constant_values=fill).reshape(groups, size,
+                                                                        *x.shape[1:])
         out = jax.lax.map(attend, (grouped(qb, 0), grouped(plan.block_pos, -1),
-                                   grouped(pages, 0))).reshape(-1, rows, *q.shape[1:])
+                                   grouped(pages, 0)))
     out = out.reshape(-1, *q.shape[1:])[plan.row_slot]                    # [T, N, H]
     return jnp.where(plan.valid[:, None, None], out, 0.0).astype(q.dtype)
