@@ -4,10 +4,13 @@ Modes, run one after another in this process so their ratios are comparable on a
 machine: continuous batching (every request submitted at once), one request at a time,
 static batches (max_num_seqs requests per batch, the next batch starts only when the
 whole batch is done), and HF transformers `generate` (PyTorch, float32) batched with left
-padding and one by one. Then the host-side cost of one engine step with 256 running
-decode sequences, with the device step replaced by a stub. Prints one JSON object.
+padding and one by one. With --rounds N every engine mode runs N times, the order reversed
+every other round, and reports its median run. Then the host-side cost of one engine step
+with 256 running decode sequences, with the device step replaced by a stub. Prints one
+JSON object.
 
-    python benchmarks/engine_throughput.py [--model DIR] [--num-requests 48] [--out FILE]
+    python benchmarks/engine_throughput.py [--model DIR] [--num-requests 48] [--rounds 3]
+                                           [--out FILE]
 
 Without --model it uses the tiny model shipped in the package, or else builds a random
 tiny Qwen3-MoE with HF transformers. TTFT is measured from the moment the mode's whole
@@ -56,6 +59,9 @@ def parse_args(argv=None):
     p.add_argument("--host-steps", type=int, default=50)
     p.add_argument("--host-max-model-len", type=int,
                    help="default: the model's max_position_embeddings, at most 2048")
+    p.add_argument("--rounds", type=int, default=1,
+                   help="run every engine mode this many times, alternating the order; "
+                        "each reports its median run")
     p.add_argument("--skip-hf", action="store_true", help="skip HF transformers generate")
     p.add_argument("--skip-hf-one-by-one", action="store_true")
     p.add_argument("--torch-threads", type=int, default=1,
@@ -154,45 +160,64 @@ class _StepRecorder:
         return outputs
 
 
-def engine_modes(llm, prompts, output_lens, max_num_seqs):
+def engine_modes(llm, prompts, output_lens, max_num_seqs, rounds=1):
     """Each mode with the overlapped loop (the default), and continuous batching and
-    static batches also with the serial loop."""
+    static batches also with the serial loop. With rounds > 1 every mode runs once a
+    round, the order reversed every other round (a noisy machine drifts): each mode
+    reports its median run, and every run's throughput."""
     modes = {"continuous": (len(prompts), False, True),
              "continuous_serial_loop": (len(prompts), False, False),
              "one_at_a_time": (1, False, True),
              "static_batches": (max_num_seqs, False, True),
              "static_batches_serial_loop": (max_num_seqs, False, False),
              "static_batches_padded": (max_num_seqs, True, True)}
-    results, tokens = {}, {}
+    runs: dict[str, list] = {name: [] for name in modes}
+    tokens = {}
     compiles_before = llm.stats()["num_compiles"]
-    engine = llm.llm_engine
-    config = engine.scheduler_config
-    for name, (batch_size, pad, overlap) in modes.items():
-        engine.step = device = _StepRecorder(engine)
-        engine.scheduler_config = dataclasses.replace(config, async_scheduling=overlap)
-        overlapped = engine.scheduler_config.async_scheduling
-        try:
-            seconds, ids, ttfts, since_submit = run_engine_batches(
-                llm, prompts, output_lens, batch_size, pad)
-        finally:
-            del engine.step
-            engine.scheduler_config = config
-        if [len(t) for t in ids] != output_lens:  # ignore_eos: lengths are exact
-            raise RuntimeError(f"{name}: outputs are not the requested lengths")
-        tokens[name] = ids
-        results[name] = summarise(seconds, output_lens, ttfts, {
-            "ttft_since_submit_p50_s": _round(percentile(since_submit, 50)),
-            "ttft_since_submit_p99_s": _round(percentile(since_submit, 99)),
-            "num_steps": len(device.seconds),
-            "device_step_ms_mean": round(1e3 * statistics.fmean(device.seconds), 2),
-            "host_share_of_wall": round(1 - sum(device.seconds) / seconds, 3),
-            "overlapped_loop": overlapped})
+    for i in range(rounds):
+        order = list(modes.items()) if i % 2 == 0 else list(reversed(modes.items()))
+        for name, (batch_size, pad, overlap) in order:
+            result, ids = engine_run(llm, prompts, output_lens, name, batch_size, pad, overlap)
+            if tokens.setdefault(name, ids) != ids:
+                raise RuntimeError(f"{name}: greedy tokens differ between rounds")
+            runs[name].append(result)
+    results = {}
+    for name, mode_runs in runs.items():
+        speeds = [r["output_tokens_per_s"] for r in mode_runs]
+        results[name] = sorted(mode_runs, key=lambda r: r["output_tokens_per_s"])[
+            (len(mode_runs) - 1) // 2]
+        if rounds > 1:
+            results[name]["output_tokens_per_s_runs"] = speeds
     stats = llm.stats()
     checks = {"compiles_while_timed": stats["num_compiles"] - compiles_before,
               "pages_leaked": stats["num_total_pages"] - stats["num_free_pages"],
               "num_preemptions": stats["num_preemptions"],
               "prefix_cache_hit_rate": round(stats["prefix_cache_hit_rate"], 3)}
     return results, tokens, checks
+
+
+def engine_run(llm, prompts, output_lens, name, batch_size, pad, overlap):
+    """One mode's run over the workload: (summary, token ids)."""
+    engine = llm.llm_engine
+    config = engine.scheduler_config
+    engine.step = device = _StepRecorder(engine)
+    engine.scheduler_config = dataclasses.replace(config, async_scheduling=overlap)
+    overlapped = engine.scheduler_config.async_scheduling
+    try:
+        seconds, ids, ttfts, since_submit = run_engine_batches(
+            llm, prompts, output_lens, batch_size, pad)
+    finally:
+        del engine.step
+        engine.scheduler_config = config
+    if [len(t) for t in ids] != output_lens:  # ignore_eos: lengths are exact
+        raise RuntimeError(f"{name}: outputs are not the requested lengths")
+    return summarise(seconds, output_lens, ttfts, {
+        "ttft_since_submit_p50_s": _round(percentile(since_submit, 50)),
+        "ttft_since_submit_p99_s": _round(percentile(since_submit, 99)),
+        "num_steps": len(device.seconds),
+        "device_step_ms_mean": round(1e3 * statistics.fmean(device.seconds), 2),
+        "host_share_of_wall": round(1 - sum(device.seconds) / seconds, 3),
+        "overlapped_loop": overlapped}), ids
 
 
 # ---- HF transformers -----------------------------------------------------------------------
@@ -347,7 +372,8 @@ def throughput_modes(args, model_path, prompts, output_lens):
     llm.generate([{"prompt_token_ids": p} for p in prompts[:4]],
                  engine_params([4] * 4))  # warm-up beyond the bucket precompile
     startup = time.monotonic() - t
-    results, tokens, checks = engine_modes(llm, prompts, output_lens, args.max_num_seqs)
+    results, tokens, checks = engine_modes(llm, prompts, output_lens, args.max_num_seqs,
+                                           args.rounds)
     del llm
     if not args.skip_hf:
         hf_results, hf_tokens = hf_modes(model_path, prompts, output_lens, args.max_num_seqs,

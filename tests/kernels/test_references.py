@@ -7,6 +7,7 @@ import pytest
 
 from kernel_cases import BF16, FP8, as_float, make_case, naive_attention
 from pallas_kernels import grouped_matmul_reference, ragged_paged_attention_reference
+from pallas_kernels.ragged_paged_attention.reference import num_blocks_bound, rows_per_block
 
 # Mixed batch: a decode at a page boundary, a short prefill, a full chunk, kv_len 1.
 MIXED = [(1, 16), (3, 11), (16, 40), (1, 1)]
@@ -26,9 +27,37 @@ def test_attention_reference_matches_naive_loop(group, head_dim):
 
 
 def test_attention_reference_long_prefill_is_blocked_and_exact():
-    # 300 rows > one 128-row block, so the lax.map path runs.
+    # 300 rows of one sequence: query blocks of 128 rows, the last one part full.
     case = make_case([(300, 310), (2, 9)], num_q_heads=4, num_kv_heads=2, head_dim=64,
                      page_size=16, pages_per_seq=20)
+    out = ragged_paged_attention_reference(*case.args(), sm_scale=0.125)
+    np.testing.assert_allclose(out, naive_attention(case, sm_scale=0.125),
+                               atol=2e-5, rtol=2e-5)
+
+
+def test_attention_reference_query_blocks_hold_one_sequence_each():
+    # T / S >= 2: rows go in blocks of B > 1 rows of one sequence, each block gathering
+    # its sequence's keys once; decode-only steps keep one row per block.
+    assert rows_per_block(256, 16) == 16 and rows_per_block(48, 16) == 2
+    assert rows_per_block(16, 16) == 1 and rows_per_block(8, 4) == 1
+    assert num_blocks_bound(256, 16, 16) == 32 and num_blocks_bound(16, 16, 1) == 16
+    # Chunks that do not fill their last block, decodes, padding sequences and rows.
+    case = make_case([(37, 40), (1, 90), (9, 9), (1, 3), (70, 150)], num_q_heads=4,
+                     num_kv_heads=2, head_dim=32, page_size=8, pages_per_seq=20,
+                     num_pad_seqs=2, num_pad_tokens=5)
+    out = jax.jit(ragged_paged_attention_reference, static_argnames="sm_scale")(
+        *case.args(), sm_scale=0.125)
+    np.testing.assert_allclose(out, naive_attention(case, sm_scale=0.125),
+                               atol=2e-5, rtol=2e-5)
+    assert not np.any(np.asarray(out)[case.query_start[case.num_seqs]:])
+
+
+def test_attention_reference_many_blocks_run_in_groups():
+    # 150 decodes: one row per block, more blocks than gather at once (lax.map groups).
+    rng = np.random.default_rng(1)
+    case = make_case([(1, int(k)) for k in rng.integers(1, 40, 150)], num_q_heads=4,
+                     num_kv_heads=2, head_dim=32, page_size=8, pages_per_seq=5,
+                     num_pad_seqs=3, num_pad_tokens=3)
     out = ragged_paged_attention_reference(*case.args(), sm_scale=0.125)
     np.testing.assert_allclose(out, naive_attention(case, sm_scale=0.125),
                                atol=2e-5, rtol=2e-5)
