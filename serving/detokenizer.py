@@ -75,18 +75,6 @@ class IncrementalDetokenizer:
         the text and whether a stop string ended it)."""
         if self.stop_reason is not None:
             return
-        if self._stream is not None and not self._stops:  # the common case, inlined
-            try:
-                chunk = self._stream.step(self._backend, token_id)
-            except Exception:  # its consistency check failed: the Python path from now on
-                self._stream = None
-            else:
-                self._window.append(token_id)
-                if chunk is not None:
-                    del self._window[:self._read]
-                    self._read = len(self._window)
-                    self._text += chunk
-                return
         num_chars = len(self._text)
         self._text += self._step(token_id)
         self._check_stop(num_chars)

@@ -377,7 +377,6 @@ class LLMEngine:
         seqs, parents = self._seqs, self._parents
         append, capped = self.output_processor.append, self.scheduler.is_length_capped
         vocab, logprobs = self.model_config.vocab_size, result.logprobs
-        request_output = self.output_processor.request_output
         outputs: list[RequestOutput] = []
         touched: dict[str, ParentState] = {}  # requests with n > 1
         for row, scheduled in enumerate(out.scheduled):
@@ -406,15 +405,9 @@ class LLMEngine:
             parent = parents[seq.parent_id]
             if len(parent.children) > 1:
                 touched[seq.parent_id] = parent  # one output for its samples, after the loop
-            elif parent.finished:  # by its status, or failed by _fail
-                outputs.append(self._emit(parent))
-            elif parent.stream:
-                outputs.append(request_output(parent, False))
-        for parent in touched.values():
-            if parent.finished:
-                outputs.append(self._emit(parent))
-            elif parent.stream:
-                outputs.append(request_output(parent))
+            elif (output := self._emit(parent)) is not None:
+                outputs.append(output)
+        outputs += [o for o in map(self._emit, touched.values()) if o is not None]
         return outputs
 
     def _constrained_rows(self, out) -> list:
@@ -458,9 +451,14 @@ class LLMEngine:
         return SamplingEntry(params, seq.seed, num_output, blocked, tokens,
                              len(request.prompt_token_ids), seq.sampling_row)
 
-    def _emit(self, parent: ParentState) -> RequestOutput:
-        output = self.output_processor.request_output(parent)
-        if output.finished:
+    def _emit(self, parent: ParentState) -> RequestOutput | None:
+        """The request's output after a step that touched it: each step while it streams,
+        else only the final one (finished: by its status, or failed by _fail)."""
+        finished = parent.finished
+        if not (finished or parent.stream):
+            return None
+        output = self.output_processor.request_output(parent, finished)
+        if finished:
             self._parents.pop(parent.request_id, None)
             for child in parent.children:
                 self._forget(child)

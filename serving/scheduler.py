@@ -134,7 +134,7 @@ class Scheduler:
         return min(len(request.prompt_token_ids) + max_tokens, limit)
 
     def is_length_capped(self, request: Request) -> bool:
-        return request.num_tokens >= (request.max_num_tokens or self.max_num_tokens(request))
+        return request.num_tokens >= self.max_num_tokens(request)
 
     def add_request(self, request: Request) -> None:
         self._validate(request)
