@@ -5,26 +5,17 @@ from __future__ import annotations
 import dataclasses
 import logging
 import time
-from pathlib import Path
 
 import jax
 import numpy as np
 
-from qwen_jax.config import ModelConfig
 from qwen_jax.model import Qwen3ForCausalLM
-from qwen_jax.params import resolve_kv_cache_dtype
-from qwen_jax.planner import kv_bytes_per_page
-from qwen_jax.sharding import make_mesh, tp_size
-from qwen_jax.tokenizer import Tokenizer
 from qwen_jax.weights import DEFAULT_MODEL_DIR, resolve_model_path
-from serving import distributed, engine_stats, kv_cache
-from serving.batch import PageTable, build_model_inputs, step_bucket
-from serving.buckets import bucket_pairs
+from serving import distributed, engine_setup, engine_stats
+from serving.batch import build_model_inputs, step_bucket
 from serving.detokenizer import IncrementalDetokenizer
 from serving.engine_config import EngineConfig
 from serving.generation_config import sampling_defaults
-from serving.host_kv import HostKVStore
-from serving.kv_cache_manager import KVCacheManager
 from serving.output_processor import OutputProcessor, ParentState, SeqState
 from serving.request import (
     Request,
@@ -33,21 +24,18 @@ from serving.request import (
     SamplingParams,
 )
 from serving.runner import (
-    ModelRunner,
     PendingStep,
     StepInputs,
     default_compilation_cache_dir,
     enable_compilation_cache,
 )
 from serving.sampler import NUM_BLOCKED, SamplingEntry, build_sampling_arrays, sampling_row
-from serving.scheduler import Scheduler, SchedulerOutput
+from serving.scheduler import SchedulerOutput
 from serving.step_cost import StepShape
 from serving.structured import GrammarCompiler, Guide, MaskBuilder
 from serving.structured_params import StructuredOutputsParams
-from serving.swap import SwapManager
 
 logger = logging.getLogger(__name__)
-DEFAULT_MAX_MODEL_LEN = 4096
 
 
 class LLMEngine:
@@ -61,13 +49,14 @@ class LLMEngine:
             default_compilation_cache_dir() if cache_dir == "default" else cache_dir)
         started = time.perf_counter()
         self.model_path = resolve_model_path(config.model or DEFAULT_MODEL_DIR)
-        self.mesh = self._make_mesh(devices)
+        self.mesh = engine_setup.replica_mesh(config, self.model_path, devices)
         self.model = Qwen3ForCausalLM.from_pretrained(
-            self.model_path, self._dtype(), impl=self._impl(), load_format=config.load_format,
+            self.model_path, engine_setup.model_dtype(config),
+            impl=engine_setup.model_impl(config), load_format=config.load_format,
             seed=config.seed, mesh=self.mesh, quantization=config.quantization)
         self.load_seconds = time.perf_counter() - started
         self.model_config = self.model.config
-        self.tokenizer = self._load_tokenizer()
+        self.tokenizer = engine_setup.load_tokenizer(config, self.model_path)
         eos = set(self.model_config.eos_token_ids)
         if self.tokenizer is not None:
             eos |= set(self.tokenizer.eos_token_ids)
@@ -76,7 +65,13 @@ class LLMEngine:
         self.grammars = (None if self.tokenizer is None else
                          GrammarCompiler(self.tokenizer, self.model_config.vocab_size, sorted(eos)))
         self._masks = MaskBuilder(self.model_config.vocab_size)
-        self._init_cache_and_scheduler()
+        setup = engine_setup.build_cache(config, self.model, self.mesh)
+        self.scheduler_config, self.page_size = setup.scheduler_config, setup.page_size
+        self.pages_per_seq, self.kv_cache_dtype = setup.pages_per_seq, setup.kv_cache_dtype
+        self.bytes_per_page, self.num_pages = setup.bytes_per_page, setup.num_pages
+        self.kv_manager, self.page_table = setup.kv_manager, setup.page_table
+        self.host_kv, self.scheduler = setup.host_kv, setup.scheduler
+        self.runner, self.bucket_pairs = setup.runner, setup.bucket_pairs
         self._rng = np.random.default_rng(config.seed)
         self._seqs: dict[str, SeqState] = {}
         # live sequences with a grammar, and those whose tokens the host needs before the
@@ -95,67 +90,6 @@ class LLMEngine:
                 self.host_kv.compile(self.runner.kv_caches)
 
     # ---- construction ------------------------------------------------------------------
-    def _dtype(self) -> str:
-        if self.config.dtype != "auto":
-            return self.config.dtype
-        return "bfloat16" if jax.default_backend() == "gpu" else "float32"
-
-    def _make_mesh(self, devices):
-        parallel = self.config.parallel
-        if parallel.replica_size == 1 and devices is None:
-            return None  # one device: plain jit, no shard_map
-        devices = list(devices if devices is not None else jax.devices())
-        parallel.validate(ModelConfig.from_hf(self.model_path), len(jax.devices()))
-        return make_mesh(parallel.tensor_parallel_size, parallel.expert_parallel_size, devices)
-
-    def _impl(self) -> str | None:
-        return None if self.config.impl == "auto" else self.config.impl
-
-    def _load_tokenizer(self) -> Tokenizer | None:
-        path = Path(self.config.tokenizer or self.model_path)
-        return Tokenizer.from_dir(path) if path.is_dir() else None
-
-    def _init_cache_and_scheduler(self) -> None:
-        sched, cache = self.config.scheduler, self.config.cache
-        if sched.max_model_len is None:  # vLLM takes the model's; capped to keep the page
-            # table (and the CPU reference attention, which reads all of it) small
-            sched = dataclasses.replace(sched, max_model_len=min(
-                DEFAULT_MAX_MODEL_LEN, self.model_config.max_position_embeddings))
-        self.scheduler_config = sched
-        if self.max_model_len > self.model_config.max_position_embeddings:
-            raise ValueError(
-                f"max_model_len={self.max_model_len} exceeds the model's "
-                f"max_position_embeddings={self.model_config.max_position_embeddings}")
-        self.page_size = cache.block_size  # vLLM's option name for the page size
-        self.pages_per_seq = sched.pages_per_seq(self.page_size)
-        dtype = resolve_kv_cache_dtype(cache.kv_cache_dtype, self.model.dtype)
-        max_pages = 1 + sched.max_num_seqs * self.pages_per_seq
-        self.bytes_per_page = kv_bytes_per_page(self.model_config, self.page_size, dtype,
-                                                tp_size(self.mesh))
-        self.kv_cache_dtype = dtype
-        self.num_pages = kv_cache.num_pages_to_allocate(cache, self.bytes_per_page, max_pages)
-        caches = kv_cache.allocate(self.model, self.num_pages, self.page_size, dtype)
-        self.kv_manager = KVCacheManager(self.num_pages, self.page_size,
-                                         cache.enable_prefix_caching)
-        self.page_table = PageTable(self.pages_per_seq, sched.max_num_seqs)
-        self.kv_manager.listener = self.page_table
-        self.scheduler = Scheduler(sched, self.kv_manager, swap=self._swap_manager())
-        self.runner = ModelRunner(self.model, caches, max_model_len=self.max_model_len,
-                                  pages_per_seq=self.pages_per_seq, mesh=self.mesh,
-                                  max_num_seqs=max(sched.seq_bucket_sizes))
-        self.bucket_pairs = bucket_pairs(sched.token_bucket_sizes, sched.seq_bucket_sizes)
-
-    def _swap_manager(self) -> SwapManager:
-        """Host pages for `swap_space` GiB (per device, as vLLM counts it)."""
-        cache = self.config.cache
-        num_host_pages = int(cache.swap_space * 2**30) // self.bytes_per_page
-        if num_host_pages and distributed.is_multiprocess():
-            raise ValueError(f"swap_space={cache.swap_space} is not supported with multiple "
-                             "processes; use 0 (recompute)")
-        self.host_kv = (HostKVStore(self.num_pages, self.pages_per_seq) if num_host_pages
-                        else None)
-        return SwapManager(num_host_pages, cache.swap_min_tokens)
-
     @property
     def max_model_len(self) -> int:
         return self.scheduler_config.resolved_max_model_len
