@@ -38,7 +38,7 @@ class IncrementalDetokenizer:
         # window = token ids from the prefix offset on; window[:read] is already in the text.
         self._window = list(prompt_token_ids[-_PROMPT_CONTEXT_TOKENS:])
         self._read = len(self._window)
-        self._text = ""
+        self.text = ""  # all output text so far, cut at the stop string once one matched
         self._num_emitted = 0
         self.stop_reason: str | None = None
         self._stream = None
@@ -52,40 +52,48 @@ class IncrementalDetokenizer:
                 self._stream = None
 
     @property
-    def text(self) -> str:
-        """All output text so far, cut at the stop string once one matched."""
-        return self._text
-
-    @property
     def finished_by_stop(self) -> bool:
         return self.stop_reason is not None
 
     def add(self, token_ids: Iterable[int]) -> str:
         """Appends output tokens; returns the text that became stable. Ignored after a stop."""
         for token_id in token_ids:
-            if self.finished_by_stop:
-                break
-            num_chars = len(self._text)
-            self._text += self._step(token_id)
-            self._check_stop(num_chars)
+            self.append(token_id)
         return self._take_delta(final=self.finished_by_stop)
 
     def append(self, token_id: int) -> None:
         """`add` of one token without computing the delta (what the engine needs per step:
-        the text and whether a stop string ended it)."""
+        the text and whether a stop string ended it). Runs per token of every request."""
         if self.stop_reason is not None:
             return
-        num_chars = len(self._text)
-        self._text += self._step(token_id)
-        self._check_stop(num_chars)
+        stream = self._stream
+        if stream is None:
+            chunk = self._python_step(token_id)
+        else:
+            try:
+                chunk = stream.step(self._backend, token_id)
+            except Exception:  # its consistency check failed: go on with the Python path
+                self._stream = None
+                chunk = self._python_step(token_id)
+            else:
+                self._window.append(token_id)
+                if chunk is None:
+                    return
+                del self._window[:self._read]
+                self._read = len(self._window)
+        if chunk:
+            num_chars = len(self.text)
+            self.text += chunk
+            if self._stops:
+                self._check_stop(num_chars)
 
     def flush(self) -> str:
         """Call once the request ends for any reason but a stop string: returns the held-back tail
         (a possible stop-string prefix, or an incomplete UTF-8 sequence as U+FFFD)."""
         if not self.finished_by_stop and self._read < len(self._window):
-            num_chars = len(self._text)
+            num_chars = len(self.text)
             prefix_text = self._decode(self._window[:self._read])
-            self._text += self._decode(self._window)[len(prefix_text):]
+            self.text += self._decode(self._window)[len(prefix_text):]
             self._window, self._read = [], 0
             self._check_stop(num_chars)
         self._stream = None  # the mirror is reset; tokens after a flush go the Python way
@@ -94,19 +102,8 @@ class IncrementalDetokenizer:
     def _decode(self, ids: list[int]) -> str:
         return self._tokenizer.decode(ids, skip_special_tokens=self._skip_special_tokens)
 
-    def _step(self, token_id: int) -> str:
-        if self._stream is not None:
-            try:
-                chunk = self._stream.step(self._backend, token_id)
-            except Exception:  # its consistency check failed: go on with the Python path
-                self._stream = None
-            else:
-                self._window.append(token_id)
-                if chunk is None:
-                    return ""
-                del self._window[:self._read]
-                self._read = len(self._window)
-                return chunk
+    def _python_step(self, token_id: int) -> str:
+        """The text `token_id` makes stable, by decoding the window twice."""
         self._window.append(token_id)
         prefix_text = self._decode(self._window[:self._read])
         new_text = self._decode(self._window)
@@ -118,15 +115,15 @@ class IncrementalDetokenizer:
 
     def _check_stop(self, num_old_chars: int) -> None:
         """Finds the earliest stop string ending in the new text and cuts the text there."""
-        if not self._stops or len(self._text) == num_old_chars:
+        if not self._stops or len(self.text) == num_old_chars:
             return
         start = max(0, num_old_chars - max(map(len, self._stops)) + 1)
-        found = [(i, s) for s in self._stops if (i := self._text.find(s, start)) >= 0]
+        found = [(i, s) for s in self._stops if (i := self.text.find(s, start)) >= 0]
         if not found:
             return
         index, stop = min(found, key=lambda hit: hit[0])
         self.stop_reason = stop
-        self._text = self._text[:index + len(stop) if self._include_stop else index]
+        self.text = self.text[:index + len(stop) if self._include_stop else index]
 
     def _held_back(self) -> int:
         """Length of the longest text suffix that could begin a stop string."""
@@ -134,15 +131,15 @@ class IncrementalDetokenizer:
             return 0
         longest = 0
         for stop in self._stops:
-            for k in range(min(len(stop) - 1, len(self._text)), longest, -1):
-                if self._text.endswith(stop[:k]):
+            for k in range(min(len(stop) - 1, len(self.text)), longest, -1):
+                if self.text.endswith(stop[:k]):
                     longest = k
                     break
         return longest
 
     def _take_delta(self, *, final: bool) -> str:
-        end = len(self._text) if final else len(self._text) - self._held_back()
+        end = len(self.text) if final else len(self.text) - self._held_back()
         end = max(end, self._num_emitted)
-        delta = self._text[self._num_emitted:end]
+        delta = self.text[self._num_emitted:end]
         self._num_emitted = end
         return delta

@@ -309,7 +309,7 @@ class LLMEngine:
         tokens = result.token_ids.tolist()  # one conversion, not a numpy scalar per row
         now = time.monotonic()  # every token of the step reached the host now
         seqs, parents = self._seqs, self._parents
-        append, capped = self.output_processor.append, self.scheduler.is_length_capped
+        append = self.output_processor.append
         vocab, logprobs = self.model_config.vocab_size, result.logprobs
         outputs: list[RequestOutput] = []
         touched: dict[str, ParentState] = {}  # requests with n > 1
@@ -326,7 +326,7 @@ class LLMEngine:
                 if not 0 <= token < vocab:
                     raise ValueError(f"sampled token id {token} for {request.request_id!r} "
                                      f"is outside the vocabulary [0, {vocab})")
-                status = append(seq, token, logprobs, row, capped, now)
+                status = append(seq, token, logprobs, row, now)
                 if seq.guide is not None and not seq.guide.accept(token):
                     logger.error("request %s: token %d broke its grammar: %s", seq.parent_id,
                                  token, seq.guide.matcher.get_error())
@@ -339,9 +339,12 @@ class LLMEngine:
             parent = parents[seq.parent_id]
             if len(parent.children) > 1:
                 touched[seq.parent_id] = parent  # one output for its samples, after the loop
-            elif (output := self._emit(parent)) is not None:
-                outputs.append(output)
-        outputs += [o for o in map(self._emit, touched.values()) if o is not None]
+            elif parent.stream or request.is_finished:
+                outputs.append(self._emit(parent, request.is_finished))
+        for parent in touched.values():
+            finished = parent.finished
+            if parent.stream or finished:
+                outputs.append(self._emit(parent, finished))
         return outputs
 
     def _constrained_rows(self, out) -> list:
@@ -385,12 +388,10 @@ class LLMEngine:
         return SamplingEntry(params, seq.seed, num_output, blocked, tokens,
                              len(request.prompt_token_ids), seq.sampling_row)
 
-    def _emit(self, parent: ParentState) -> RequestOutput | None:
-        """The request's output after a step that touched it: each step while it streams,
-        else only the final one (finished: by its status, or failed by _fail)."""
-        finished = parent.finished
-        if not (finished or parent.stream):
-            return None
+    def _emit(self, parent: ParentState, finished: bool) -> RequestOutput:
+        """The request's output after a step that touched it (the caller emits one each
+        step while it streams, else only the final one: finished by its status, or failed
+        by _fail); a finished request is forgotten."""
         output = self.output_processor.request_output(parent, finished)
         if finished:
             self._parents.pop(parent.request_id, None)

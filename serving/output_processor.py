@@ -85,11 +85,33 @@ class OutputProcessor:
         self.eos_token_ids = frozenset(eos_token_ids)
 
     def append(self, seq: SeqState, token: int, logprobs: TokenLogprobs | None, row: int,
-               max_len_reached, now: float | None = None) -> RequestStatus | None:
+               now: float | None = None) -> RequestStatus | None:
         """Record `token`, sampled for `row` of a step whose logprobs are `logprobs` and
-        read at monotonic time `now`; return a finished status if the sequence stops
-        (`max_len_reached(request)`: whether it has reached its length cap)."""
-        status = self._append(seq, token, logprobs, row, max_len_reached, now)
+        read at monotonic time `now`; return a finished status if the sequence stops (its
+        request's length cap is `max_num_tokens`, set when the scheduler took it).
+        Runs once per sampled token of every request: one call, no helpers on the way."""
+        request = seq.request
+        params = request.sampling_params
+        request.append_output_token(token, now)
+        if seq.logprobs is not None:
+            self._record_logprobs(seq, token, logprobs, row)
+        status = None
+        detokenizer = seq.detokenizer
+        if detokenizer is not None:
+            detokenizer.append(token)
+            seq.text = detokenizer.text
+            if detokenizer.stop_reason is not None:  # a stop string ended the text
+                request.stop_reason = detokenizer.stop_reason
+                status = RequestStatus.FINISHED_STOPPED
+        num_output = len(request.output_token_ids)
+        if status is None and num_output >= params.min_tokens:
+            if not params.ignore_eos and token in self.eos_token_ids:
+                status = RequestStatus.FINISHED_STOPPED
+            elif params.stop_token_ids and token in params.stop_token_ids:
+                request.stop_reason = token
+                status = RequestStatus.FINISHED_STOPPED
+        if status is None and num_output + len(request.prompt_token_ids) >= request.max_num_tokens:
+            status = RequestStatus.FINISHED_LENGTH_CAPPED
         if status is not None:
             self.flush(seq)
         return status
@@ -100,29 +122,6 @@ class OutputProcessor:
         if seq.detokenizer is not None:
             seq.detokenizer.flush()
             seq.text = seq.detokenizer.text
-
-    def _append(self, seq, token, logprobs: TokenLogprobs | None, row, max_len_reached, now):
-        request = seq.request
-        params = request.sampling_params
-        request.append_output_token(token, now)
-        if seq.logprobs is not None:
-            self._record_logprobs(seq, token, logprobs, row)
-        detokenizer = seq.detokenizer
-        if detokenizer is not None:
-            detokenizer.append(token)
-            seq.text = detokenizer.text
-            if detokenizer.stop_reason is not None:
-                request.stop_reason = detokenizer.stop_reason
-                return RequestStatus.FINISHED_STOPPED
-        if len(request.output_token_ids) >= params.min_tokens:
-            if not params.ignore_eos and token in self.eos_token_ids:
-                return RequestStatus.FINISHED_STOPPED
-            if params.stop_token_ids and token in params.stop_token_ids:
-                request.stop_reason = token
-                return RequestStatus.FINISHED_STOPPED
-        if max_len_reached(request):
-            return RequestStatus.FINISHED_LENGTH_CAPPED
-        return None
 
     def _record_logprobs(self, seq: SeqState, token: int, logprobs: TokenLogprobs | None,
                          row: int) -> None:
@@ -167,10 +166,11 @@ class OutputProcessor:
 
     def request_output(self, parent: ParentState, finished: bool | None = None) -> RequestOutput:
         """`finished`: parent.finished, where the caller has it."""
-        first = parent.children[0].request
-        completion = self.completion
+        children = parent.children
+        first = children[0].request
         return RequestOutput(
             parent.request_id, parent.prompt, parent.prompt_token_ids, parent.prompt_logprobs,
-            [completion(c) for c in parent.children],
+            [self.completion(children[0])] if len(children) == 1
+            else list(map(self.completion, children)),
             parent.finished if finished is None else finished, first.metrics,
             first.num_cached_tokens, parent.error)
