@@ -54,6 +54,9 @@ def parse_args(argv=None):
     p.add_argument("--host-only", action="store_true",
                    help="only the host cost per step (no vocabulary part, fake device or "
                         "real model): what to run on two checkouts for before/after")
+    p.add_argument("--final-only", action="store_true",
+                   help="requests return only their final output (what LLM.generate and "
+                        "`qwen-jax generate` ask for) instead of one per step (a stream)")
     p.add_argument("--vocab-size", type=int, default=151936)
     p.add_argument("--vocab-hidden", type=int, default=128, help="the tiny model's hidden size")
     p.add_argument("--vocab-seqs", type=int, default=32)
@@ -92,8 +95,10 @@ class _FakePending:
         return SamplerOutput(token_ids=np.full(self.num_seqs, 7, np.int32), logprobs=None)
 
 
-def decoding_engine(model, num_seqs: int, steps: int, async_scheduling: bool, cache_dir):
-    """An engine with `num_seqs` sequences all decoding and a fake device (set later)."""
+def decoding_engine(model, num_seqs: int, steps: int, async_scheduling: bool, cache_dir,
+                    stream: bool = True):
+    """An engine with `num_seqs` sequences all decoding and a fake device (set later);
+    `stream`: each request gets an output every step, else only its final one."""
     from qwen_jax import LLM, SamplingParams
     rng = np.random.default_rng(num_seqs)
     prompt_lens = rng.integers(32, 257, size=num_seqs)
@@ -110,7 +115,7 @@ def decoding_engine(model, num_seqs: int, steps: int, async_scheduling: bool, ca
     params = SamplingParams(temperature=0.0, max_tokens=max_tokens, ignore_eos=True)
     for i, k in enumerate(prompt_lens):
         engine.add_request(str(i), {"prompt_token_ids": rng.integers(2, vocab, int(k)).tolist()},
-                           params)
+                           params, stream=stream)
     for _ in range(20):  # prefill everything (steps of up to 8192 tokens), then decode
         engine.step()
         if all(r.num_computed_tokens >= r.num_prompt_tokens for r in engine.scheduler.running):
@@ -191,7 +196,7 @@ def fake_device_runs(args) -> dict:
     for n in args.seqs:
         row: dict = {}
         engines = {mode: decoding_engine(args.model, n, args.steps, mode == "overlapped",
-                                         args.compilation_cache_dir)
+                                         args.compilation_cache_dir, not args.final_only)
                    for mode in ("serial", "overlapped")}
         for mode, engine in engines.items():
             row[mode] = host_cost(engine, args.steps)

@@ -67,6 +67,7 @@ class IncrementalDetokenizer:
         if self.stop_reason is not None:
             return
         stream = self._stream
+        chunk: str | None
         if stream is None:
             chunk = self._python_step(token_id)
         else:

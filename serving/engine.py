@@ -273,7 +273,7 @@ class LLMEngine:
                                    None if previous is None else previous.rows,
                                    self.page_table)
         sampling = build_sampling_arrays(
-            [self._sampling_entry(s.request) for s in out.scheduled], batch.padded_num_seqs,
+            self._sampling_entries(out), batch.padded_num_seqs,
             self.max_model_len, self.model_config.vocab_size,
             None if masks is None else masks.result())
         inputs = StepInputs.from_batch(batch)
@@ -377,16 +377,28 @@ class LLMEngine:
         if out.swap_in:
             self.runner.copy_pages_from_host(self.host_kv, *zip(*out.swap_in))
 
-    def _sampling_entry(self, request: Request) -> SamplingEntry:
-        seq = self._seqs[request.request_id]
-        params = request.sampling_params
-        num_output = len(request.output_token_ids) + request.num_pending_tokens
-        blocked = seq.blocked_ids if num_output < params.min_tokens else ()
-        tokens = request.all_token_ids if seq.uses_penalties else None
-        if seq.sampling_row is None:
-            seq.sampling_row = sampling_row(params, seq.seed)
-        return SamplingEntry(params, seq.seed, num_output, blocked, tokens,
-                             len(request.prompt_token_ids), seq.sampling_row)
+    def _sampling_entries(self, out: SchedulerOutput) -> list[SamplingEntry]:
+        """Each scheduled sequence's row of the step's sampling arrays. A sequence keeps
+        one entry and updates what changes per step (the arrays copy it at once)."""
+        seqs, entries = self._seqs, []
+        for scheduled in out.scheduled:
+            request = scheduled.request
+            seq = seqs[request.request_id]
+            entry = seq.sampling_entry
+            if entry is None:
+                params = request.sampling_params
+                entry = seq.sampling_entry = SamplingEntry(
+                    params, seq.seed, 0, (), None, len(request.prompt_token_ids),
+                    sampling_row(params, seq.seed))
+            entry.output_index = num_output = (len(request.output_token_ids)
+                                               + request.num_pending_tokens)
+            if seq.blocked_ids:  # eos/stop ids, blocked until min_tokens
+                entry.blocked_ids = (seq.blocked_ids if num_output
+                                     < request.sampling_params.min_tokens else ())
+            if seq.uses_penalties:
+                entry.penalty_tokens = request.all_token_ids
+            entries.append(entry)
+        return entries
 
     def _emit(self, parent: ParentState, finished: bool) -> RequestOutput:
         """The request's output after a step that touched it (the caller emits one each

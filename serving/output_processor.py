@@ -17,7 +17,7 @@ from serving.request import (
 )
 
 if TYPE_CHECKING:  # host-side code: the sampler's types only, not jax
-    from serving.sampler import TokenLogprobs
+    from serving.sampler import SamplingEntry, TokenLogprobs
     from serving.structured import Guide
 
 
@@ -45,7 +45,7 @@ class SeqState:
     text: str = ""
     guide: Guide | None = None  # the grammar matcher of a constrained sequence
     uses_penalties: bool = False  # its sampling params penalise repeats (set on creation)
-    sampling_row: tuple | None = None  # serving/sampler.sampling_row, kept by the engine
+    sampling_entry: SamplingEntry | None = None  # its sampling arrays' row, kept by the engine
 
     def __post_init__(self) -> None:
         self.uses_penalties = uses_penalties(self.request.sampling_params)

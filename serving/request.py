@@ -130,6 +130,10 @@ class RequestStatus(enum.IntEnum):
         return FINISH_REASONS.get(status)
 
 
+# An enum member read off its class goes through the enum's metaclass (~85 ns on CPython
+# 3.11); code run per request per step compares with a module constant (~15 ns).
+_PREEMPTED = RequestStatus.PREEMPTED
+
 FINISH_REASONS = {
     RequestStatus.FINISHED_STOPPED: "stop",
     RequestStatus.FINISHED_LENGTH_CAPPED: "length",
@@ -206,7 +210,7 @@ class Request:
 
     @property
     def is_finished(self) -> bool:
-        return self.status > RequestStatus.PREEMPTED  # RequestStatus.is_finished, inlined
+        return self.status > _PREEMPTED  # RequestStatus.is_finished, inlined
 
     @property
     def finish_reason(self) -> str | None:

@@ -367,9 +367,10 @@ class Scheduler:
         The engine appends the sampled token of each `samples` entry afterwards.
         """
         page_size, caching = self.kv.page_size, self.kv.enable_prefix_caching
+        running = RequestStatus.RUNNING
         for seq in scheduler_output.scheduled:
             request = seq.request
-            if request.status != RequestStatus.RUNNING:
+            if request.status != running:
                 continue  # aborted or finished while the step ran
             end = seq.start + seq.num_new_tokens
             request.num_computed_tokens = end
