@@ -61,6 +61,21 @@ def _add_missing_tokens(backend: tokenizers.Tokenizer, added: Mapping[str, Any])
         backend.add_tokens([token])
 
 
+def _byte_level_chars() -> dict[str, int]:
+    """GPT-2's byte -> printable character map, inverted: what a ByteLevel decoder undoes.
+    Printable bytes stand for themselves; the others take chr(256 + n) in byte order."""
+    printable = {*range(ord("!"), ord("~") + 1), *range(ord("\xa1"), ord("\xac") + 1),
+                 *range(ord("\xae"), ord("\xff") + 1)}
+    chars, n = {}, 0
+    for b in range(256):
+        if b in printable:
+            chars[chr(b)] = b
+        else:
+            chars[chr(256 + n)] = b
+            n += 1
+    return chars
+
+
 class _GenerationTag(jinja2.ext.Extension):
     """Renders the body of `{% generation %}...{% endgeneration %}` (assistant-mask markers)."""
 
@@ -153,6 +168,8 @@ class Tokenizer:
         self.eos_token, self.pad_token, self.bos_token = eos_token, pad_token, bos_token
         self.chat_template = chat_template
         self._compiled_template: jinja2.Template | None = None
+        # token_bytes: None -> every token's bytes; True -> special tokens' blanked
+        self._token_bytes: dict[bool | None, list[bytes] | None] = {}
         self.eos_token_id = self._id_of(eos_token)
         if self.eos_token_id is None and generation_eos_ids:
             self.eos_token_id = generation_eos_ids[0]
@@ -190,6 +207,50 @@ class Tokenizer:
         other = copy.copy(self)
         other.chat_template, other._compiled_template = template, compile_chat_template(template)
         return other
+
+    def token_bytes(self, skip_special_tokens: bool = True) -> list[bytes] | None:
+        """Each token id's bytes, such that decoding ids is decoding their bytes joined as
+        UTF-8 (lossy): true of a lone ByteLevel decoder (Qwen's, GPT-2's), and checked here
+        against `decode` for every id. None for other decoders. Built once."""
+        if None not in self._token_bytes:
+            self._token_bytes[None] = self._byte_table()
+        table = self._token_bytes[None]
+        if table is None or not skip_special_tokens:
+            return table
+        if True not in self._token_bytes:  # special tokens decode to nothing when skipped
+            special = [i for i, t in self.backend.get_added_tokens_decoder().items()
+                       if t.special and i < len(table)]
+            skipping = list(table)
+            for i in special:
+                skipping[i] = b""
+            checked = not any(self.backend.decode([i], skip_special_tokens=True)
+                              for i in special)
+            self._token_bytes[True] = skipping if checked else None
+        return self._token_bytes[True]
+
+    def _byte_table(self) -> list[bytes] | None:
+        if not isinstance(self.backend.decoder, tokenizers.decoders.ByteLevel):
+            return None
+        chars = _byte_level_chars()
+        # byte-level characters to their byte, then .encode("latin-1"); other characters
+        # below 256 to one that latin-1 cannot encode (they take the slow path)
+        to_latin1 = {o: 0x100 for o in range(256)} | {ord(c): b for c, b in chars.items()}
+        table = []
+        for i in range(self.vocab_size):
+            token = self.backend.id_to_token(i)
+            if token is None:
+                table.append(b"")
+                continue
+            try:
+                table.append(token.translate(to_latin1).encode("latin-1"))
+            except UnicodeEncodeError:  # a character outside the byte map: its UTF-8
+                table.append(b"".join(bytes([chars[c]]) if c in chars else c.encode()
+                                      for c in token))
+        decoded = self.backend.decode_batch([[i] for i in range(len(table))],
+                                            skip_special_tokens=False)
+        if any(b.decode("utf-8", "replace") != d for b, d in zip(table, decoded)):
+            return None
+        return table
 
     def _id_of(self, token: str | None) -> int | None:
         return None if token is None else self.backend.token_to_id(token)

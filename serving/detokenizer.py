@@ -5,6 +5,7 @@ Host-side text only (no jax): turns each sampled token into the text that became
 
 from __future__ import annotations
 
+import codecs
 from collections.abc import Iterable, Sequence
 
 from qwen_jax.tokenizer import Tokenizer
@@ -22,10 +23,13 @@ _PROMPT_CONTEXT_TOKENS = 5
 class IncrementalDetokenizer:
     """Turns a stream of output token ids into stable text deltas, applying stop strings.
 
-    Decodes a short window of tokens twice — without and with the newest token — and emits the
-    difference once it no longer ends in U+FFFD, so UTF-8 characters split across byte-level
-    tokens appear only when complete (vLLM's prefix/read offsets). The window starts in the
-    prompt so the first output token is decoded in context.
+    Where each token stands for fixed bytes (a ByteLevel decoder: `Tokenizer.token_bytes`),
+    a token's text is its bytes through an incremental UTF-8 decoder, which holds back a
+    character split across tokens until it is complete: one dict-free lookup and one C call
+    per token. Otherwise it decodes a short window of tokens twice — without and with the
+    newest token — and emits the difference once it no longer ends in U+FFFD (vLLM's
+    prefix/read offsets; one call into the tokenizers library's DecodeStream where it has
+    one); that window starts in the prompt so the first output token is decoded in context.
     """
 
     def __init__(self, tokenizer: Tokenizer, prompt_token_ids: Sequence[int], *,
@@ -42,6 +46,11 @@ class IncrementalDetokenizer:
         self._num_emitted = 0
         self.stop_reason: str | None = None
         self._stream = None
+        token_bytes = getattr(tokenizer, "token_bytes", None)
+        self._bytes = None if token_bytes is None else token_bytes(skip_special_tokens)
+        if self._bytes is not None:
+            self._utf8 = codecs.getincrementaldecoder("utf-8")("replace")
+            return
         backend = getattr(tokenizer, "backend", None)
         if _DecodeStream is not None and backend is not None:
             try:
@@ -66,9 +75,12 @@ class IncrementalDetokenizer:
         the text and whether a stop string ended it). Runs per token of every request."""
         if self.stop_reason is not None:
             return
+        table = self._bytes
         stream = self._stream
         chunk: str | None
-        if stream is None:
+        if table is not None:
+            chunk = self._utf8.decode(table[token_id] if token_id < len(table) else b"")
+        elif stream is None:
             chunk = self._python_step(token_id)
         else:
             try:
@@ -91,7 +103,13 @@ class IncrementalDetokenizer:
     def flush(self) -> str:
         """Call once the request ends for any reason but a stop string: returns the held-back tail
         (a possible stop-string prefix, or an incomplete UTF-8 sequence as U+FFFD)."""
-        if not self.finished_by_stop and self._read < len(self._window):
+        if self._bytes is not None:
+            tail = "" if self.finished_by_stop else self._utf8.decode(b"", final=True)
+            if tail:  # an incomplete character, as U+FFFD
+                num_chars = len(self.text)
+                self.text += tail
+                self._check_stop(num_chars)
+        elif not self.finished_by_stop and self._read < len(self._window):
             num_chars = len(self.text)
             prefix_text = self._decode(self._window[:self._read])
             self.text += self._decode(self._window)[len(prefix_text):]

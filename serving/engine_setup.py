@@ -49,7 +49,10 @@ def replica_mesh(config: EngineConfig, model_path: Path, devices):
 
 def load_tokenizer(config: EngineConfig, model_path: Path) -> Tokenizer | None:
     path = Path(config.tokenizer or model_path)
-    return Tokenizer.from_dir(path) if path.is_dir() else None
+    tokenizer = Tokenizer.from_dir(path) if path.is_dir() else None
+    if tokenizer is not None:
+        tokenizer.token_bytes()  # the detokenizer's table, built now (not at a first request)
+    return tokenizer
 
 
 @dataclasses.dataclass(frozen=True)

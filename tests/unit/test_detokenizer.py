@@ -50,14 +50,55 @@ def test_incremental_equals_full_decode_for_random_ids(tok, seed):
         assert "".join(deltas) == tok.decode(ids, skip_special_tokens=skip_special_tokens)
 
 
+class WindowOnly:
+    """The tokenizer without its byte table: the detokenizer takes the window path."""
+
+    def __init__(self, tok):
+        self.backend, self.decode = tok.backend, tok.decode
+
+
+@pytest.mark.parametrize("skip_special_tokens", [True, False])
+def test_byte_table_decodes_every_id_as_the_tokenizer_does(tok, skip_special_tokens):
+    table = tok.token_bytes(skip_special_tokens)
+    assert table is not None and len(table) == tok.vocab_size  # Qwen's decoder is ByteLevel
+    ids = tok.encode("naïve 🤖 日本<|im_end|>") + [IM_END]
+    joined = b"".join(table[i] for i in ids).decode("utf-8", "replace")
+    assert joined == tok.decode(ids, skip_special_tokens=skip_special_tokens)
+
+
+@pytest.mark.parametrize("seed", range(3))
+def test_byte_table_and_window_paths_give_the_same_text(tok, seed):
+    rng = random.Random(seed)
+    prompt = tok.encode("Prompt: 日本 🤖")
+    ids = [rng.randrange(124, 256) if rng.random() < 0.3 else rng.randrange(tok.vocab_size)
+           for _ in range(400)]
+    fast = IncrementalDetokenizer(tok, prompt)
+    window = IncrementalDetokenizer(WindowOnly(tok), prompt)
+    assert fast._bytes is not None and window._bytes is None
+    deltas = [fast.add([i]) for i in ids] + [fast.flush()]
+    assert "".join(deltas) == fast.text == window.add(ids) + window.flush() == window.text
+    # Valid text: never a U+FFFD mid-stream, and the byte path is never behind the window
+    # path (it emits a token's complete characters before a split one: " " of " \xe2\x88")
+    valid = tok.encode(random_text(rng))
+    fast, window = IncrementalDetokenizer(tok, prompt), IncrementalDetokenizer(WindowOnly(tok),
+                                                                               prompt)
+    for i in valid:
+        delta = fast.add([i])
+        window.add([i])
+        assert "\ufffd" not in delta and fast.text.startswith(window.text)
+    fast.flush()
+    window.flush()
+    assert fast.text == window.text == tok.decode(valid)
+
+
 @pytest.mark.parametrize("seed", range(3))
 def test_rust_decode_stream_and_python_path_give_the_same_deltas(tok, seed):
     rng = random.Random(seed)
     prompt = tok.encode("Prompt: 日本 🤖")
     ids = [rng.randrange(124, 256) if rng.random() < 0.3 else rng.randrange(tok.vocab_size)
            for _ in range(400)]
-    fast = IncrementalDetokenizer(tok, prompt)
-    slow = IncrementalDetokenizer(tok, prompt)
+    fast = IncrementalDetokenizer(WindowOnly(tok), prompt)
+    slow = IncrementalDetokenizer(WindowOnly(tok), prompt)
     assert fast._stream is not None  # the tokenizers library here has DecodeStream
     slow._stream = None
     assert [fast.add([i]) for i in ids] == [slow.add([i]) for i in ids]
@@ -70,7 +111,7 @@ def test_decode_stream_error_falls_back_to_python_decoding(tok):
             raise RuntimeError("prefix mismatch")
 
     ids = tok.encode("naïve 🤖 text")
-    detok = IncrementalDetokenizer(tok, [])
+    detok = IncrementalDetokenizer(WindowOnly(tok), [])
     emitted = detok.add(ids[:2])
     detok._stream = Failing()
     emitted += detok.add(ids[2:]) + detok.flush()
