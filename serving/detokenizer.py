@@ -5,7 +5,7 @@ Host-side text only (no jax): turns each sampled token into the text that became
 
 from __future__ import annotations
 
-import codecs
+from codecs import utf_8_decode as _utf_8_decode
 from collections.abc import Iterable, Sequence
 
 from qwen_jax.tokenizer import Tokenizer
@@ -48,8 +48,8 @@ class IncrementalDetokenizer:
         self._stream = None
         token_bytes = getattr(tokenizer, "token_bytes", None)
         self._bytes = None if token_bytes is None else token_bytes(skip_special_tokens)
+        self._undecoded = b""  # the start of a character split across tokens
         if self._bytes is not None:
-            self._utf8 = codecs.getincrementaldecoder("utf-8")("replace")
             return
         backend = getattr(tokenizer, "backend", None)
         if _DecodeStream is not None and backend is not None:
@@ -78,8 +78,12 @@ class IncrementalDetokenizer:
         table = self._bytes
         stream = self._stream
         chunk: str | None
-        if table is not None:
-            chunk = self._utf8.decode(table[token_id] if token_id < len(table) else b"")
+        if table is not None:  # codecs' incremental UTF-8 decoder, without its Python layer
+            data = table[token_id] if token_id < len(table) else b""
+            if self._undecoded:
+                data = self._undecoded + data
+            chunk, used = _utf_8_decode(data, "replace", False)
+            self._undecoded = data[used:]
         elif stream is None:
             chunk = self._python_step(token_id)
         else:
@@ -104,7 +108,8 @@ class IncrementalDetokenizer:
         """Call once the request ends for any reason but a stop string: returns the held-back tail
         (a possible stop-string prefix, or an incomplete UTF-8 sequence as U+FFFD)."""
         if self._bytes is not None:
-            tail = "" if self.finished_by_stop else self._utf8.decode(b"", final=True)
+            tail = "" if self.finished_by_stop else self._undecoded.decode("utf-8", "replace")
+            self._undecoded = b""
             if tail:  # an incomplete character, as U+FFFD
                 num_chars = len(self.text)
                 self.text += tail
