@@ -17,6 +17,7 @@ import jax.numpy as jnp
 import numpy as np
 
 from serving.request import SAMPLING_EPS, SamplingParams
+from serving.sampling_draw import gumbel_max, softmax_draw, to_blocks
 from serving.structured import TokenMask, inactive_mask
 
 jax.tree_util.register_dataclass(TokenMask, data_fields=["active", "bits"], meta_fields=[])
@@ -173,39 +174,6 @@ def _apply_penalties(logits, sa: SamplingArrays):
     return logits - sa.presence_penalty[:, None] * (counts > 0)
 
 
-def _mix32(x):
-    """A 32-bit integer hash (lowbias32): cheap to compile, well mixed."""
-    x = x ^ (x >> 16)
-    x = x * jnp.uint32(0x7FEB352D)
-    x = x ^ (x >> 15)
-    x = x * jnp.uint32(0x846CA68B)
-    return x ^ (x >> 16)
-
-
-def gumbel_noise(seed, output_index, vocab: int):
-    """Gumbel(0, 1) noise f32[S, V], a pure function of (seed, output index, token id).
-
-    A counter-based hash rather than jax.random: threefry's unrolled rounds cost seconds
-    of compile per bucket on CPU, and the stream only has to be reproducible.
-    """
-    return gumbel_noise_at(seed, output_index, jnp.arange(vocab, dtype=jnp.uint32)[None, :])
-
-
-def gumbel_noise_at(seed, output_index, token_ids):
-    """The noise `gumbel_noise` gives these token ids (int[S, K] or [1, K]) of each row."""
-    row = _mix32(seed.astype(jnp.uint32) ^ _mix32(output_index.astype(jnp.uint32)
-                                                  + jnp.uint32(0x9E3779B9)))  # [S]
-    bits = _mix32(row[:, None] ^ _mix32(token_ids.astype(jnp.uint32)))
-    return -jnp.log(-jnp.log(uniform_from_bits(bits)))
-
-
-def uniform_from_bits(bits):
-    """u32 -> f32 strictly inside (0, 1). 23 bits: with 24, (2^24 - 0.5) / 2^24 rounds to
-    1.0 in float32, whose noise is +inf: that token would win whatever its logit (about
-    one draw in a hundred over a 151k vocabulary), and a masked one would give NaN."""
-    return ((bits >> 9).astype(jnp.float32) + 0.5) * (1.0 / (1 << 23))
-
-
 NUM_CANDIDATES = 1024  # the most likely tokens that top-k / top-p / min-p look at first
 NUM_FEW_CANDIDATES = 64  # ... and before them: enough for common top-k and peaked top-p
 CANDIDATE_BLOCK = 128  # tokens per block when finding the few (`_block_top_k`)
@@ -225,10 +193,8 @@ def _keep(sorted_logits, log_normalizer, sa: SamplingArrays):
 
 
 def _choose(kept, ids, sa: SamplingArrays):
-    """Gumbel-max over the kept logits. Noise is attached to the token id (not the sorted
-    rank) so ties cannot reorder it, and a token's noise is the same in every path."""
-    choice = jnp.argmax(kept + gumbel_noise_at(sa.seed, sa.output_index, ids), axis=-1)
-    return jnp.take_along_axis(ids, choice[:, None], axis=-1)[:, 0].astype(jnp.int32)
+    """Gumbel-max over the kept candidates (noise by token id: the same in every path)."""
+    return gumbel_max(kept, ids, sa.seed, sa.output_index)
 
 
 def _sorted_sample(scaled, sa: SamplingArrays):
@@ -264,12 +230,8 @@ def _block_top_k(logits, k: int):
     id first), reading the vocabulary once for block maxima: the k most likely tokens lie
     in the k blocks of CANDIDATE_BLOCK tokens with the highest maxima (ties: lower block
     first), so only those blocks are searched, in id order."""
-    num_rows, vocab = logits.shape
-    width = CANDIDATE_BLOCK
-    padded = -(-vocab // width) * width
-    if padded != vocab:  # -inf past the vocabulary, after every real token in ties
-        logits = jnp.pad(logits, ((0, 0), (0, padded - vocab)), constant_values=-jnp.inf)
-    blocks = logits.reshape(num_rows, padded // width, width)
+    num_rows, width = logits.shape[0], CANDIDATE_BLOCK
+    blocks = to_blocks(logits, width)  # -inf past the vocabulary: after real tokens in ties
     _, block_ids = jax.lax.top_k(blocks.max(axis=-1), k)
     block_ids = jnp.sort(block_ids, axis=-1)  # [R, k] ascending: candidates in id order
     candidates = jnp.take_along_axis(blocks, block_ids[:, :, None], axis=1)
@@ -301,9 +263,9 @@ def _candidates(scaled, sa: SamplingArrays, width: int = NUM_CANDIDATES):
 
 
 def _random_sample(logits, sa: SamplingArrays):
-    """Temperature + Gumbel-max. Rows that filter (top-k, top-p, min-p) go through
-    `_filtered_sample`, the others take the argmax over the whole noisy vocabulary; each
-    part runs only when some random row needs it. A row's token never depends on the
+    """Temperature, then a draw from each row's softmax. Rows that filter (top-k, top-p,
+    min-p) go through `_filtered_sample`, the others through `softmax_draw`; each part
+    runs only when some random row needs it. A row's token never depends on the
     other rows (same noise, same kept set)."""
     scaled = logits / jnp.maximum(sa.temperature, SAMPLING_EPS)[:, None]
     random_rows = sa.temperature >= SAMPLING_EPS
@@ -312,11 +274,8 @@ def _random_sample(logits, sa: SamplingArrays):
     filtered = jax.lax.cond(jnp.any(filters & random_rows),
                             lambda: _filtered_sample(scaled, sa, filters & random_rows),
                             lambda: none)
-    plain = jax.lax.cond(
-        jnp.any(~filters & random_rows),
-        lambda: jnp.argmax(scaled + gumbel_noise(sa.seed, sa.output_index, logits.shape[-1]),
-                           axis=-1).astype(jnp.int32),
-        lambda: none)
+    plain = jax.lax.cond(jnp.any(~filters & random_rows),
+                         lambda: softmax_draw(scaled, sa.seed, sa.output_index), lambda: none)
     return jnp.where(filters, filtered, plain)
 
 
