@@ -17,8 +17,9 @@ import jax.numpy as jnp
 import numpy as np
 
 from serving.request import SAMPLING_EPS, SamplingParams
-from serving.sampling_draw import gumbel_max, softmax_draw, to_blocks
+from serving.sampling_draw import gumbel_max, softmax_draw
 from serving.structured import TokenMask, inactive_mask
+from serving.vocab_blocks import block_argmax, block_top_k
 
 jax.tree_util.register_dataclass(TokenMask, data_fields=["active", "bits"], meta_fields=[])
 
@@ -176,7 +177,6 @@ def _apply_penalties(logits, sa: SamplingArrays):
 
 NUM_CANDIDATES = 1024  # the most likely tokens that top-k / top-p / min-p look at first
 NUM_FEW_CANDIDATES = 64  # ... and before them: enough for common top-k and peaked top-p
-CANDIDATE_BLOCK = 128  # tokens per block when finding the few (`_block_top_k`)
 
 
 def _keep(sorted_logits, log_normalizer, sa: SamplingArrays):
@@ -225,28 +225,10 @@ def _filtered_sample(scaled, sa: SamplingArrays, rows):
     return jax.lax.cond(jnp.all(decided | ~rows), lambda: _choose(kept, top_ids, sa), wider)
 
 
-def _block_top_k(logits, k: int):
-    """`jax.lax.top_k(logits, k)`, the same values and ids in the same order (ties: lower
-    id first), reading the vocabulary once for block maxima: the k most likely tokens lie
-    in the k blocks of CANDIDATE_BLOCK tokens with the highest maxima (ties: lower block
-    first), so only those blocks are searched, in id order."""
-    num_rows, width = logits.shape[0], CANDIDATE_BLOCK
-    blocks = to_blocks(logits, width)  # -inf past the vocabulary: after real tokens in ties
-    _, block_ids = jax.lax.top_k(blocks.max(axis=-1), k)
-    block_ids = jnp.sort(block_ids, axis=-1)  # [R, k] ascending: candidates in id order
-    candidates = jnp.take_along_axis(blocks, block_ids[:, :, None], axis=1)
-    values, index = jax.lax.top_k(candidates.reshape(num_rows, k * width), k)
-    ids = jnp.take_along_axis(block_ids, index // width, axis=-1) * width + index % width
-    return values, ids
-
-
 def _candidates(scaled, sa: SamplingArrays, width: int = NUM_CANDIDATES):
     """The `width` most likely tokens of each row: what the filters keep of them, their
     ids, and whether they decide the row (nothing past them could be kept)."""
-    if width * CANDIDATE_BLOCK <= scaled.shape[-1] // 4:
-        top_logits, top_ids = _block_top_k(scaled, width)
-    else:
-        top_logits, top_ids = jax.lax.top_k(scaled, width)
+    top_logits, top_ids = block_top_k(scaled, width)
     k_inside = (sa.top_k > 0) & (sa.top_k <= width)
     topk_masked = jnp.where(jnp.arange(width)[None, :] < sa.top_k[:, None], top_logits,
                             -jnp.inf)
@@ -313,7 +295,7 @@ def sample(logits: jax.Array, sa: SamplingArrays) -> SamplerOutput:
     def rows(logits, sa):
         """The branches for some rows (their tokens never depend on the other rows')."""
         token = jax.lax.cond(_special(sa), lambda: _processed(logits, sa),
-                             lambda: _argmax(logits))
+                             lambda: block_argmax(logits))
         # Log-softmax and the top-20 of the raw distribution, only when some row asked.
         logprobs = jax.lax.cond(
             sa.want_logprobs, lambda: token_logprobs(jax.nn.log_softmax(logits, axis=-1), token),
@@ -327,7 +309,7 @@ def sample(logits: jax.Array, sa: SamplingArrays) -> SamplerOutput:
         _special(sa) | sa.want_logprobs,
         lambda: jax.lax.platform_dependent(cpu=chunked(CPU_ROW_CHUNK),
                                            default=chunked(num_seqs)),
-        lambda: (_argmax(logits), _no_logprobs(num_seqs, num_top)))
+        lambda: (block_argmax(logits), _no_logprobs(num_seqs, num_top)))
     return SamplerOutput(token_ids=token, logprobs=logprobs)
 
 
@@ -337,10 +319,6 @@ def _special(sa: SamplingArrays):
     return masked | jnp.any((sa.blocked_ids >= 0).any(axis=-1) | (sa.presence_penalty != 0)
                             | (sa.frequency_penalty != 0) | (sa.repetition_penalty != 1)
                             | (sa.temperature >= SAMPLING_EPS))
-
-
-def _argmax(logits):
-    return jnp.argmax(logits, axis=-1).astype(jnp.int32)
 
 
 CPU_ROW_CHUNK = 2  # rows per pass of the sampler's branches on CPU (see `sample`)
@@ -378,7 +356,7 @@ def _processed(logits, sa: SamplingArrays):
 
 def _pick(logits, sa: SamplingArrays):
     """Greedy rows' argmax; random sampling only when some row samples."""
-    greedy = jax.lax.cond(jnp.any(sa.temperature < SAMPLING_EPS), lambda: _argmax(logits),
+    greedy = jax.lax.cond(jnp.any(sa.temperature < SAMPLING_EPS), lambda: block_argmax(logits),
                           lambda: jnp.zeros(logits.shape[0], jnp.int32))
     return jax.lax.cond(
         jnp.all(sa.temperature < SAMPLING_EPS), lambda: greedy,

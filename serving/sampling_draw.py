@@ -11,6 +11,8 @@ from __future__ import annotations
 
 import jax.numpy as jnp
 
+from serving.vocab_blocks import to_blocks
+
 DRAW_BLOCK = 128  # tokens per block of `softmax_draw` (Qwen3's 151,936 = 1,187 blocks)
 _DRAW_COUNTERS = 1 << 31
 
@@ -38,15 +40,6 @@ def uniform_from_bits(bits):
     1.0 in float32, whose noise is +inf: that token would win whatever its logit (about
     one draw in a hundred over a 151k vocabulary), and a masked one would give NaN."""
     return ((bits >> 9).astype(jnp.float32) + 0.5) * (1.0 / (1 << 23))
-
-
-def to_blocks(x, width: int):
-    """f32[R, V] -> f32[R, ceil(V / width), width], -inf past the vocabulary."""
-    num_rows, vocab = x.shape
-    padded = -(-vocab // width) * width
-    if padded != vocab:
-        x = jnp.pad(x, ((0, 0), (0, padded - vocab)), constant_values=-jnp.inf)
-    return x.reshape(num_rows, padded // width, width)
 
 
 def softmax_draw(scaled, seed, output_index):

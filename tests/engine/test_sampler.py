@@ -204,20 +204,35 @@ def test_candidate_filtering_keeps_what_the_full_sort_keeps(peaked):
     assert decided.all() if peaked else not decided[::4].any()  # flat: top-p rows fall back
 
 
-def test_block_top_k_equals_top_k_with_ties_and_a_ragged_vocabulary():
-    """The few candidates found through block maxima are lax.top_k's: values, ids, order
-    (ties broken towards the lower id), also where the vocabulary is no multiple of the
-    block and where whole blocks are -inf."""
-    from serving.sampler import CANDIDATE_BLOCK, NUM_FEW_CANDIDATES, _block_top_k
-    vocab = 100 * CANDIDATE_BLOCK + 37
+@pytest.mark.parametrize("k,vocab", [(64, 100 * 128 + 37), (16, 70_000)])
+def test_block_top_k_equals_top_k_with_ties_and_a_ragged_vocabulary(k, vocab):
+    """Candidates found through block maxima (two levels of blocks) are lax.top_k's:
+    values, ids, order (ties broken towards the lower id), also where the vocabulary is
+    no multiple of the block and where whole blocks are -inf."""
+    from serving.vocab_blocks import block_top_k
     logits = np.random.default_rng(4).integers(0, 6, size=(6, vocab)).astype(np.float32)
     logits[1, :] = -np.inf
     logits[1, [3, 900, vocab - 1]] = 2.0
-    logits[2, : 50 * CANDIDATE_BLOCK] = -np.inf
-    fast = jax.device_get(jax.jit(_block_top_k, static_argnums=1)(logits, NUM_FEW_CANDIDATES))
-    full = jax.device_get(jax.lax.top_k(logits, NUM_FEW_CANDIDATES))
+    logits[2, : vocab // 2] = -np.inf
+    logits[3, :] = 1.0
+    fast = jax.device_get(jax.jit(block_top_k, static_argnums=1)(logits, k))
+    full = jax.device_get(jax.lax.top_k(logits, k))
     np.testing.assert_array_equal(fast[0], full[0])
     np.testing.assert_array_equal(fast[1], full[1])
+
+
+def test_block_argmax_equals_argmax():
+    """The first maximum, through block maxima: ties, -inf rows and blocks."""
+    from serving.vocab_blocks import ARGMAX_BLOCK, block_argmax
+    vocab = 40 * ARGMAX_BLOCK
+    logits = np.random.default_rng(8).integers(0, 4, size=(6, vocab)).astype(np.float32)
+    logits[1, :] = -np.inf
+    logits[2, : vocab - 3] = -np.inf
+    logits[3, [17, 700]] = 9.0
+    logits[4, vocab - 1] = 9.0  # the last token of the last block
+    logits[5, :] = 0.0
+    np.testing.assert_array_equal(jax.jit(block_argmax)(logits),
+                                  jax.jit(lambda x: x.argmax(axis=-1))(logits))
 
 
 @pytest.mark.parametrize("spread", [6.0, 1.0])
