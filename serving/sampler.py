@@ -233,9 +233,13 @@ def _candidates(scaled, sa: SamplingArrays, width: int = NUM_CANDIDATES):
     topk_masked = jnp.where(jnp.arange(width)[None, :] < sa.top_k[:, None], top_logits,
                             -jnp.inf)
     # The distribution top-p and min-p read: over the top k tokens, or the whole vocabulary.
-    # (The whole-vocabulary pass only when some row has no top-k within the candidates.)
+    # (The whole-vocabulary pass only when some row has no top-k within the candidates;
+    # jax.nn.logsumexp's, but the max is the candidates', not a pass of its own. Not
+    # top_logits[:, 0]: a second slice of top_k's sort keeps XLA from making it a TopK.)
+    top = jnp.max(top_logits, axis=-1, keepdims=True)
+    top = jnp.where(jnp.isfinite(top), top, 0.0)
     whole = jax.lax.cond(jnp.all(k_inside), lambda: jnp.zeros(scaled.shape[0], scaled.dtype),
-                         lambda: jax.nn.logsumexp(scaled, axis=-1))
+                         lambda: (jnp.log(jnp.sum(jnp.exp(scaled - top), axis=-1)) + top[:, 0]))
     normalizer = jnp.where(k_inside, jax.nn.logsumexp(topk_masked, axis=-1), whole)
     kept, probs = _keep(top_logits, normalizer, sa)
     decided = k_inside | ((sa.top_k <= 0) & (
@@ -244,15 +248,14 @@ def _candidates(scaled, sa: SamplingArrays, width: int = NUM_CANDIDATES):
     return kept, top_ids, decided
 
 
-def _random_sample(logits, sa: SamplingArrays):
-    """Temperature, then a draw from each row's softmax. Rows that filter (top-k, top-p,
-    min-p) go through `_filtered_sample`, the others through `softmax_draw`; each part
-    runs only when some random row needs it. A row's token never depends on the
-    other rows (same noise, same kept set)."""
-    scaled = logits / jnp.maximum(sa.temperature, SAMPLING_EPS)[:, None]
+def _random_sample(scaled, sa: SamplingArrays):
+    """A draw from each row's softmax(scaled) (logits / temperature). Rows that filter
+    (top-k, top-p, min-p) go through `_filtered_sample`, the others through
+    `softmax_draw`; each part runs only when some random row needs it. A row's token
+    never depends on the other rows (same noise, same kept set)."""
     random_rows = sa.temperature >= SAMPLING_EPS
     filters = (sa.top_k > 0) | (sa.top_p < 1) | (sa.min_p > 0)
-    none = jnp.zeros(logits.shape[0], jnp.int32)
+    none = jnp.zeros(scaled.shape[0], jnp.int32)
     filtered = jax.lax.cond(jnp.any(filters & random_rows),
                             lambda: _filtered_sample(scaled, sa, filters & random_rows),
                             lambda: none)
@@ -292,14 +295,14 @@ def sample(logits: jax.Array, sa: SamplingArrays) -> SamplerOutput:
     num_seqs, vocab = logits.shape
     num_top = min(NUM_TOP_LOGPROBS, vocab)
 
-    def rows(logits, sa):
+    def rows(take, sa):
         """The branches for some rows (their tokens never depend on the other rows')."""
-        token = jax.lax.cond(_special(sa), lambda: _processed(logits, sa),
-                             lambda: block_argmax(logits))
+        token = jax.lax.cond(_special(sa), lambda: _processed(take, sa),
+                             lambda: block_argmax(take()))
         # Log-softmax and the top-20 of the raw distribution, only when some row asked.
         logprobs = jax.lax.cond(
-            sa.want_logprobs, lambda: token_logprobs(jax.nn.log_softmax(logits, axis=-1), token),
-            lambda: _no_logprobs(logits.shape[0], num_top))
+            sa.want_logprobs, lambda: token_logprobs(jax.nn.log_softmax(take(), axis=-1), token),
+            lambda: _no_logprobs(token.shape[0], num_top))
         return token, logprobs
 
     def chunked(chunk):
@@ -313,33 +316,58 @@ def sample(logits: jax.Array, sa: SamplingArrays) -> SamplerOutput:
     return SamplerOutput(token_ids=token, logprobs=logprobs)
 
 
+def _edits(sa: SamplingArrays):
+    """Whether some row's logits change before its pick: mask, min_tokens, penalties."""
+    masked = jnp.bool_(False) if sa.token_mask is None else sa.token_mask.active
+    return masked | jnp.any((sa.blocked_ids >= 0).any(axis=-1) | _penalized(sa))
+
+
+def _penalized(sa: SamplingArrays):
+    return ((sa.presence_penalty != 0) | (sa.frequency_penalty != 0)
+            | (sa.repetition_penalty != 1))
+
+
 def _special(sa: SamplingArrays):
     """Whether some row needs more than the argmax of its raw logits."""
-    masked = jnp.bool_(False) if sa.token_mask is None else sa.token_mask.active
-    return masked | jnp.any((sa.blocked_ids >= 0).any(axis=-1) | (sa.presence_penalty != 0)
-                            | (sa.frequency_penalty != 0) | (sa.repetition_penalty != 1)
-                            | (sa.temperature >= SAMPLING_EPS))
+    return _edits(sa) | jnp.any(sa.temperature >= SAMPLING_EPS)
 
 
 CPU_ROW_CHUNK = 2  # rows per pass of the sampler's branches on CPU (see `sample`)
 
 
-def _by_row_chunks(fn, chunk: int, *args):
-    """fn over `chunk` rows at a time (a scan; one pass when chunk covers every row). The
-    leading axis of each non-scalar leaf of args is the row; scalars go to every pass."""
-    num_rows = jax.tree.leaves(args[0])[0].shape[0]
+def _by_row_chunks(fn, chunk: int, logits, sa: SamplingArrays):
+    """fn(take, sa's rows) over `chunk` rows at a time (a scan; one pass when chunk
+    covers every row); scalars of sa go to every pass. take() returns the rows' logits:
+    called inside the branches that read them, so that the slice fuses into their first
+    pass instead of being copied out for every branch."""
+    num_rows = logits.shape[0]
     chunk = np.gcd(num_rows, chunk)
     if chunk == num_rows:
-        return fn(*args)
+        return fn(lambda: logits, sa)
     num_chunks = num_rows // chunk
     split = jax.tree.map(lambda a: a.reshape(num_chunks, chunk, *a.shape[1:]) if a.ndim
-                         else jnp.broadcast_to(a, (num_chunks,)), args)
-    _, out = jax.lax.scan(lambda carry, xs: (carry, fn(*xs)), None, split)
+                         else jnp.broadcast_to(a, (num_chunks,)), sa)
+
+    def one_chunk(carry, xs):
+        i, rows_sa = xs
+        return carry, fn(lambda: jax.lax.dynamic_slice_in_dim(logits, i * chunk, chunk), rows_sa)
+
+    _, out = jax.lax.scan(one_chunk, None, (jnp.arange(num_chunks), split))
     return jax.tree.map(lambda a: a.reshape(num_rows, *a.shape[2:]), out)
 
 
-def _processed(logits, sa: SamplingArrays):
-    """The grammar mask, the min_tokens block and penalties, then each row's pick."""
+def _processed(take, sa: SamplingArrays):
+    """Each row's pick from its logits (take()) divided by its temperature (greedy rows:
+    by 1), after the grammar mask, the min_tokens block and penalties where a row has
+    one. Either way the logits are read and divided in one pass, with no copy of them."""
+    divisor = jnp.where(sa.temperature < SAMPLING_EPS, 1.0, sa.temperature)[:, None]
+    scaled = jax.lax.cond(_edits(sa), lambda: _edited(take(), sa) / divisor,
+                          lambda: take() / divisor)
+    return _pick(scaled, sa)
+
+
+def _edited(logits, sa: SamplingArrays):
+    """The grammar mask, the min_tokens block and penalties."""
     num_seqs, vocab = logits.shape
     mask = sa.token_mask
     if mask is not None:
@@ -348,19 +376,17 @@ def _processed(logits, sa: SamplingArrays):
     rows = jnp.broadcast_to(jnp.arange(num_seqs)[:, None], sa.blocked_ids.shape)
     blocked = jnp.where(sa.blocked_ids >= 0, sa.blocked_ids, vocab)
     logits = logits.at[rows, blocked].set(-jnp.inf, mode="drop")
-    any_penalty = jnp.any((sa.presence_penalty != 0) | (sa.frequency_penalty != 0)
-                          | (sa.repetition_penalty != 1))
-    logits = jax.lax.cond(any_penalty, lambda: _apply_penalties(logits, sa), lambda: logits)
-    return _pick(logits, sa)
+    return jax.lax.cond(jnp.any(_penalized(sa)), lambda: _apply_penalties(logits, sa),
+                        lambda: logits)
 
 
-def _pick(logits, sa: SamplingArrays):
+def _pick(scaled, sa: SamplingArrays):
     """Greedy rows' argmax; random sampling only when some row samples."""
-    greedy = jax.lax.cond(jnp.any(sa.temperature < SAMPLING_EPS), lambda: block_argmax(logits),
-                          lambda: jnp.zeros(logits.shape[0], jnp.int32))
+    greedy = jax.lax.cond(jnp.any(sa.temperature < SAMPLING_EPS), lambda: block_argmax(scaled),
+                          lambda: jnp.zeros(scaled.shape[0], jnp.int32))
     return jax.lax.cond(
         jnp.all(sa.temperature < SAMPLING_EPS), lambda: greedy,
-        lambda: jnp.where(sa.temperature < SAMPLING_EPS, greedy, _random_sample(logits, sa)))
+        lambda: jnp.where(sa.temperature < SAMPLING_EPS, greedy, _random_sample(scaled, sa)))
 
 
 def _no_logprobs(num_rows: int, num_top: int) -> TokenLogprobs:
