@@ -1,8 +1,8 @@
 """Sampling on device: penalties, greedy, temperature, top-k, top-p, min-p, seeds, logprobs.
 
-Every sequence draws from its own key, fold_in(key(seed), output index), so a seeded
-request samples the same tokens whatever else shares its batch, and again after a
-preemption recomputes it. Logprobs are of the raw model distribution (vLLM's default).
+Every sequence draws from a hash of (seed, output index) (`sampling_draw.py`), so a
+seeded request samples the same tokens whatever else shares its batch, and again after
+a preemption recomputes it. Logprobs are of the raw model distribution (vLLM's default).
 """
 
 from __future__ import annotations

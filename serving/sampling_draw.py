@@ -51,10 +51,11 @@ def softmax_draw(scaled, seed, output_index):
     positions within the block). The two take distinct counters, so they are independent
     and the token's probability is (block mass / total) * (its mass / block mass). The
     vocabulary is read twice (max, then exp and block sums), with no hash or log per
-    token. A vocabulary of a few blocks takes Gumbel-max over its tokens."""
-    num_rows, vocab = scaled.shape
+    token. A vocabulary of a few blocks takes Gumbel-max over its tokens (noise by id)."""
+    vocab = scaled.shape[-1]
     if vocab <= 4 * DRAW_BLOCK:
-        return gumbel_max(scaled, jnp.arange(vocab)[None, :], seed, output_index)
+        noise = gumbel_noise_at(seed, output_index, jnp.arange(vocab)[None, :])
+        return jnp.argmax(scaled + noise, axis=-1).astype(jnp.int32)
     blocks = to_blocks(scaled, DRAW_BLOCK)  # [R, NB, W]
     num_blocks = blocks.shape[1]
     counters = jnp.arange(num_blocks + DRAW_BLOCK, dtype=jnp.uint32) + jnp.uint32(_DRAW_COUNTERS)
