@@ -1,8 +1,8 @@
 """Sampling on device: penalties, greedy, temperature, top-k, top-p, min-p, seeds, logprobs.
 
-Every sequence draws from its own key, fold_in(key(seed), output index), so a seeded
-request samples the same tokens whatever else shares its batch, and again after a
-preemption recomputes it. Logprobs are of the raw model distribution (vLLM's default).
+Every sequence draws from a hash of (seed, output index) (`sampling_draw.py`), so a
+seeded request samples the same tokens whatever else shares its batch, and again after
+a preemption recomputes it. Logprobs are of the raw model distribution (vLLM's default).
 """
 
 from __future__ import annotations
@@ -17,7 +17,9 @@ import jax.numpy as jnp
 import numpy as np
 
 from serving.request import SAMPLING_EPS, SamplingParams
+from serving.sampling_draw import gumbel_max, softmax_draw
 from serving.structured import TokenMask, inactive_mask
+from serving.vocab_blocks import block_argmax, block_top_k
 
 jax.tree_util.register_dataclass(TokenMask, data_fields=["active", "bits"], meta_fields=[])
 
@@ -173,42 +175,8 @@ def _apply_penalties(logits, sa: SamplingArrays):
     return logits - sa.presence_penalty[:, None] * (counts > 0)
 
 
-def _mix32(x):
-    """A 32-bit integer hash (lowbias32): cheap to compile, well mixed."""
-    x = x ^ (x >> 16)
-    x = x * jnp.uint32(0x7FEB352D)
-    x = x ^ (x >> 15)
-    x = x * jnp.uint32(0x846CA68B)
-    return x ^ (x >> 16)
-
-
-def gumbel_noise(seed, output_index, vocab: int):
-    """Gumbel(0, 1) noise f32[S, V], a pure function of (seed, output index, token id).
-
-    A counter-based hash rather than jax.random: threefry's unrolled rounds cost seconds
-    of compile per bucket on CPU, and the stream only has to be reproducible.
-    """
-    return gumbel_noise_at(seed, output_index, jnp.arange(vocab, dtype=jnp.uint32)[None, :])
-
-
-def gumbel_noise_at(seed, output_index, token_ids):
-    """The noise `gumbel_noise` gives these token ids (int[S, K] or [1, K]) of each row."""
-    row = _mix32(seed.astype(jnp.uint32) ^ _mix32(output_index.astype(jnp.uint32)
-                                                  + jnp.uint32(0x9E3779B9)))  # [S]
-    bits = _mix32(row[:, None] ^ _mix32(token_ids.astype(jnp.uint32)))
-    return -jnp.log(-jnp.log(uniform_from_bits(bits)))
-
-
-def uniform_from_bits(bits):
-    """u32 -> f32 strictly inside (0, 1). 23 bits: with 24, (2^24 - 0.5) / 2^24 rounds to
-    1.0 in float32, whose noise is +inf: that token would win whatever its logit (about
-    one draw in a hundred over a 151k vocabulary), and a masked one would give NaN."""
-    return ((bits >> 9).astype(jnp.float32) + 0.5) * (1.0 / (1 << 23))
-
-
 NUM_CANDIDATES = 1024  # the most likely tokens that top-k / top-p / min-p look at first
 NUM_FEW_CANDIDATES = 64  # ... and before them: enough for common top-k and peaked top-p
-CANDIDATE_BLOCK = 128  # tokens per block when finding the few (`_block_top_k`)
 
 
 def _keep(sorted_logits, log_normalizer, sa: SamplingArrays):
@@ -225,10 +193,8 @@ def _keep(sorted_logits, log_normalizer, sa: SamplingArrays):
 
 
 def _choose(kept, ids, sa: SamplingArrays):
-    """Gumbel-max over the kept logits. Noise is attached to the token id (not the sorted
-    rank) so ties cannot reorder it, and a token's noise is the same in every path."""
-    choice = jnp.argmax(kept + gumbel_noise_at(sa.seed, sa.output_index, ids), axis=-1)
-    return jnp.take_along_axis(ids, choice[:, None], axis=-1)[:, 0].astype(jnp.int32)
+    """Gumbel-max over the kept candidates (noise by token id: the same in every path)."""
+    return gumbel_max(kept, ids, sa.seed, sa.output_index)
 
 
 def _sorted_sample(scaled, sa: SamplingArrays):
@@ -259,39 +225,21 @@ def _filtered_sample(scaled, sa: SamplingArrays, rows):
     return jax.lax.cond(jnp.all(decided | ~rows), lambda: _choose(kept, top_ids, sa), wider)
 
 
-def _block_top_k(logits, k: int):
-    """`jax.lax.top_k(logits, k)`, the same values and ids in the same order (ties: lower
-    id first), reading the vocabulary once for block maxima: the k most likely tokens lie
-    in the k blocks of CANDIDATE_BLOCK tokens with the highest maxima (ties: lower block
-    first), so only those blocks are searched, in id order."""
-    num_rows, vocab = logits.shape
-    width = CANDIDATE_BLOCK
-    padded = -(-vocab // width) * width
-    if padded != vocab:  # -inf past the vocabulary, after every real token in ties
-        logits = jnp.pad(logits, ((0, 0), (0, padded - vocab)), constant_values=-jnp.inf)
-    blocks = logits.reshape(num_rows, padded // width, width)
-    _, block_ids = jax.lax.top_k(blocks.max(axis=-1), k)
-    block_ids = jnp.sort(block_ids, axis=-1)  # [R, k] ascending: candidates in id order
-    candidates = jnp.take_along_axis(blocks, block_ids[:, :, None], axis=1)
-    values, index = jax.lax.top_k(candidates.reshape(num_rows, k * width), k)
-    ids = jnp.take_along_axis(block_ids, index // width, axis=-1) * width + index % width
-    return values, ids
-
-
 def _candidates(scaled, sa: SamplingArrays, width: int = NUM_CANDIDATES):
     """The `width` most likely tokens of each row: what the filters keep of them, their
     ids, and whether they decide the row (nothing past them could be kept)."""
-    if width * CANDIDATE_BLOCK <= scaled.shape[-1] // 4:
-        top_logits, top_ids = _block_top_k(scaled, width)
-    else:
-        top_logits, top_ids = jax.lax.top_k(scaled, width)
+    top_logits, top_ids = block_top_k(scaled, width)
     k_inside = (sa.top_k > 0) & (sa.top_k <= width)
     topk_masked = jnp.where(jnp.arange(width)[None, :] < sa.top_k[:, None], top_logits,
                             -jnp.inf)
     # The distribution top-p and min-p read: over the top k tokens, or the whole vocabulary.
-    # (The whole-vocabulary pass only when some row has no top-k within the candidates.)
+    # (The whole-vocabulary pass only when some row has no top-k within the candidates;
+    # jax.nn.logsumexp's, but the max is the candidates', not a pass of its own. Not
+    # top_logits[:, 0]: a second slice of top_k's sort keeps XLA from making it a TopK.)
+    top = jnp.max(top_logits, axis=-1, keepdims=True)
+    top = jnp.where(jnp.isfinite(top), top, 0.0)
     whole = jax.lax.cond(jnp.all(k_inside), lambda: jnp.zeros(scaled.shape[0], scaled.dtype),
-                         lambda: jax.nn.logsumexp(scaled, axis=-1))
+                         lambda: (jnp.log(jnp.sum(jnp.exp(scaled - top), axis=-1)) + top[:, 0]))
     normalizer = jnp.where(k_inside, jax.nn.logsumexp(topk_masked, axis=-1), whole)
     kept, probs = _keep(top_logits, normalizer, sa)
     decided = k_inside | ((sa.top_k <= 0) & (
@@ -300,23 +248,19 @@ def _candidates(scaled, sa: SamplingArrays, width: int = NUM_CANDIDATES):
     return kept, top_ids, decided
 
 
-def _random_sample(logits, sa: SamplingArrays):
-    """Temperature + Gumbel-max. Rows that filter (top-k, top-p, min-p) go through
-    `_filtered_sample`, the others take the argmax over the whole noisy vocabulary; each
-    part runs only when some random row needs it. A row's token never depends on the
-    other rows (same noise, same kept set)."""
-    scaled = logits / jnp.maximum(sa.temperature, SAMPLING_EPS)[:, None]
+def _random_sample(scaled, sa: SamplingArrays):
+    """A draw from each row's softmax(scaled) (logits / temperature). Rows that filter
+    (top-k, top-p, min-p) go through `_filtered_sample`, the others through
+    `softmax_draw`; each part runs only when some random row needs it. A row's token
+    never depends on the other rows (same noise, same kept set)."""
     random_rows = sa.temperature >= SAMPLING_EPS
     filters = (sa.top_k > 0) | (sa.top_p < 1) | (sa.min_p > 0)
-    none = jnp.zeros(logits.shape[0], jnp.int32)
+    none = jnp.zeros(scaled.shape[0], jnp.int32)
     filtered = jax.lax.cond(jnp.any(filters & random_rows),
                             lambda: _filtered_sample(scaled, sa, filters & random_rows),
                             lambda: none)
-    plain = jax.lax.cond(
-        jnp.any(~filters & random_rows),
-        lambda: jnp.argmax(scaled + gumbel_noise(sa.seed, sa.output_index, logits.shape[-1]),
-                           axis=-1).astype(jnp.int32),
-        lambda: none)
+    plain = jax.lax.cond(jnp.any(~filters & random_rows),
+                         lambda: softmax_draw(scaled, sa.seed, sa.output_index), lambda: none)
     return jnp.where(filters, filtered, plain)
 
 
@@ -351,14 +295,14 @@ def sample(logits: jax.Array, sa: SamplingArrays) -> SamplerOutput:
     num_seqs, vocab = logits.shape
     num_top = min(NUM_TOP_LOGPROBS, vocab)
 
-    def rows(logits, sa):
+    def rows(take, sa):
         """The branches for some rows (their tokens never depend on the other rows')."""
-        token = jax.lax.cond(_special(sa), lambda: _processed(logits, sa),
-                             lambda: _argmax(logits))
+        token = jax.lax.cond(_special(sa), lambda: _processed(take, sa),
+                             lambda: block_argmax(take()))
         # Log-softmax and the top-20 of the raw distribution, only when some row asked.
         logprobs = jax.lax.cond(
-            sa.want_logprobs, lambda: token_logprobs(jax.nn.log_softmax(logits, axis=-1), token),
-            lambda: _no_logprobs(logits.shape[0], num_top))
+            sa.want_logprobs, lambda: token_logprobs(jax.nn.log_softmax(take(), axis=-1), token),
+            lambda: _no_logprobs(token.shape[0], num_top))
         return token, logprobs
 
     def chunked(chunk):
@@ -368,41 +312,62 @@ def sample(logits: jax.Array, sa: SamplingArrays) -> SamplerOutput:
         _special(sa) | sa.want_logprobs,
         lambda: jax.lax.platform_dependent(cpu=chunked(CPU_ROW_CHUNK),
                                            default=chunked(num_seqs)),
-        lambda: (_argmax(logits), _no_logprobs(num_seqs, num_top)))
+        lambda: (block_argmax(logits), _no_logprobs(num_seqs, num_top)))
     return SamplerOutput(token_ids=token, logprobs=logprobs)
+
+
+def _edits(sa: SamplingArrays):
+    """Whether some row's logits change before its pick: mask, min_tokens, penalties."""
+    masked = jnp.bool_(False) if sa.token_mask is None else sa.token_mask.active
+    return masked | jnp.any((sa.blocked_ids >= 0).any(axis=-1) | _penalized(sa))
+
+
+def _penalized(sa: SamplingArrays):
+    return ((sa.presence_penalty != 0) | (sa.frequency_penalty != 0)
+            | (sa.repetition_penalty != 1))
 
 
 def _special(sa: SamplingArrays):
     """Whether some row needs more than the argmax of its raw logits."""
-    masked = jnp.bool_(False) if sa.token_mask is None else sa.token_mask.active
-    return masked | jnp.any((sa.blocked_ids >= 0).any(axis=-1) | (sa.presence_penalty != 0)
-                            | (sa.frequency_penalty != 0) | (sa.repetition_penalty != 1)
-                            | (sa.temperature >= SAMPLING_EPS))
-
-
-def _argmax(logits):
-    return jnp.argmax(logits, axis=-1).astype(jnp.int32)
+    return _edits(sa) | jnp.any(sa.temperature >= SAMPLING_EPS)
 
 
 CPU_ROW_CHUNK = 2  # rows per pass of the sampler's branches on CPU (see `sample`)
 
 
-def _by_row_chunks(fn, chunk: int, *args):
-    """fn over `chunk` rows at a time (a scan; one pass when chunk covers every row). The
-    leading axis of each non-scalar leaf of args is the row; scalars go to every pass."""
-    num_rows = jax.tree.leaves(args[0])[0].shape[0]
+def _by_row_chunks(fn, chunk: int, logits, sa: SamplingArrays):
+    """fn(take, sa's rows) over `chunk` rows at a time (a scan; one pass when chunk
+    covers every row); scalars of sa go to every pass. take() returns the rows' logits:
+    called inside the branches that read them, so that the slice fuses into their first
+    pass instead of being copied out for every branch."""
+    num_rows = logits.shape[0]
     chunk = np.gcd(num_rows, chunk)
     if chunk == num_rows:
-        return fn(*args)
+        return fn(lambda: logits, sa)
     num_chunks = num_rows // chunk
     split = jax.tree.map(lambda a: a.reshape(num_chunks, chunk, *a.shape[1:]) if a.ndim
-                         else jnp.broadcast_to(a, (num_chunks,)), args)
-    _, out = jax.lax.scan(lambda carry, xs: (carry, fn(*xs)), None, split)
+                         else jnp.broadcast_to(a, (num_chunks,)), sa)
+
+    def one_chunk(carry, xs):
+        i, rows_sa = xs
+        return carry, fn(lambda: jax.lax.dynamic_slice_in_dim(logits, i * chunk, chunk), rows_sa)
+
+    _, out = jax.lax.scan(one_chunk, None, (jnp.arange(num_chunks), split))
     return jax.tree.map(lambda a: a.reshape(num_rows, *a.shape[2:]), out)
 
 
-def _processed(logits, sa: SamplingArrays):
-    """The grammar mask, the min_tokens block and penalties, then each row's pick."""
+def _processed(take, sa: SamplingArrays):
+    """Each row's pick from its logits (take()) divided by its temperature (greedy rows:
+    by 1), after the grammar mask, the min_tokens block and penalties where a row has
+    one. Either way the logits are read and divided in one pass, with no copy of them."""
+    divisor = jnp.where(sa.temperature < SAMPLING_EPS, 1.0, sa.temperature)[:, None]
+    scaled = jax.lax.cond(_edits(sa), lambda: _edited(take(), sa) / divisor,
+                          lambda: take() / divisor)
+    return _pick(scaled, sa)
+
+
+def _edited(logits, sa: SamplingArrays):
+    """The grammar mask, the min_tokens block and penalties."""
     num_seqs, vocab = logits.shape
     mask = sa.token_mask
     if mask is not None:
@@ -411,19 +376,17 @@ def _processed(logits, sa: SamplingArrays):
     rows = jnp.broadcast_to(jnp.arange(num_seqs)[:, None], sa.blocked_ids.shape)
     blocked = jnp.where(sa.blocked_ids >= 0, sa.blocked_ids, vocab)
     logits = logits.at[rows, blocked].set(-jnp.inf, mode="drop")
-    any_penalty = jnp.any((sa.presence_penalty != 0) | (sa.frequency_penalty != 0)
-                          | (sa.repetition_penalty != 1))
-    logits = jax.lax.cond(any_penalty, lambda: _apply_penalties(logits, sa), lambda: logits)
-    return _pick(logits, sa)
+    return jax.lax.cond(jnp.any(_penalized(sa)), lambda: _apply_penalties(logits, sa),
+                        lambda: logits)
 
 
-def _pick(logits, sa: SamplingArrays):
+def _pick(scaled, sa: SamplingArrays):
     """Greedy rows' argmax; random sampling only when some row samples."""
-    greedy = jax.lax.cond(jnp.any(sa.temperature < SAMPLING_EPS), lambda: _argmax(logits),
-                          lambda: jnp.zeros(logits.shape[0], jnp.int32))
+    greedy = jax.lax.cond(jnp.any(sa.temperature < SAMPLING_EPS), lambda: block_argmax(scaled),
+                          lambda: jnp.zeros(scaled.shape[0], jnp.int32))
     return jax.lax.cond(
         jnp.all(sa.temperature < SAMPLING_EPS), lambda: greedy,
-        lambda: jnp.where(sa.temperature < SAMPLING_EPS, greedy, _random_sample(logits, sa)))
+        lambda: jnp.where(sa.temperature < SAMPLING_EPS, greedy, _random_sample(scaled, sa)))
 
 
 def _no_logprobs(num_rows: int, num_top: int) -> TokenLogprobs:
