@@ -76,7 +76,6 @@ class IncrementalDetokenizer:
         if self.stop_reason is not None:
             return
         table = self._bytes
-        stream = self._stream
         chunk: str | None
         if table is not None:  # codecs' incremental UTF-8 decoder, without its Python layer
             data = table[token_id] if token_id < len(table) else b""
@@ -84,11 +83,11 @@ class IncrementalDetokenizer:
                 data = self._undecoded + data
             chunk, used = _utf_8_decode(data, "replace", False)
             self._undecoded = data[used:]
-        elif stream is None:
+        elif self._stream is None:
             chunk = self._python_step(token_id)
         else:
             try:
-                chunk = stream.step(self._backend, token_id)
+                chunk = self._stream.step(self._backend, token_id)
             except Exception:  # its consistency check failed: go on with the Python path
                 self._stream = None
                 chunk = self._python_step(token_id)

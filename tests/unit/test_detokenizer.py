@@ -50,6 +50,12 @@ def test_incremental_equals_full_decode_for_random_ids(tok, seed):
         assert "".join(deltas) == tok.decode(ids, skip_special_tokens=skip_special_tokens)
 
 
+def random_ids(tok, rng, num: int = 400) -> list[int]:
+    """Random token ids, 30% of them byte tokens: many characters split across tokens."""
+    return [rng.randrange(124, 256) if rng.random() < 0.3 else rng.randrange(tok.vocab_size)
+            for _ in range(num)]
+
+
 class WindowOnly:
     """The tokenizer without its byte table: the detokenizer takes the window path."""
 
@@ -69,9 +75,7 @@ def test_byte_table_decodes_every_id_as_the_tokenizer_does(tok, skip_special_tok
 @pytest.mark.parametrize("seed", range(3))
 def test_byte_table_and_window_paths_give_the_same_text(tok, seed):
     rng = random.Random(seed)
-    prompt = tok.encode("Prompt: 日本 🤖")
-    ids = [rng.randrange(124, 256) if rng.random() < 0.3 else rng.randrange(tok.vocab_size)
-           for _ in range(400)]
+    prompt, ids = tok.encode("Prompt: 日本 🤖"), random_ids(tok, rng)
     fast = IncrementalDetokenizer(tok, prompt)
     window = IncrementalDetokenizer(WindowOnly(tok), prompt)
     assert fast._bytes is not None and window._bytes is None
@@ -94,9 +98,7 @@ def test_byte_table_and_window_paths_give_the_same_text(tok, seed):
 @pytest.mark.parametrize("seed", range(3))
 def test_rust_decode_stream_and_python_path_give_the_same_deltas(tok, seed):
     rng = random.Random(seed)
-    prompt = tok.encode("Prompt: 日本 🤖")
-    ids = [rng.randrange(124, 256) if rng.random() < 0.3 else rng.randrange(tok.vocab_size)
-           for _ in range(400)]
+    prompt, ids = tok.encode("Prompt: 日本 🤖"), random_ids(tok, rng)
     fast = IncrementalDetokenizer(WindowOnly(tok), prompt)
     slow = IncrementalDetokenizer(WindowOnly(tok), prompt)
     assert fast._stream is not None  # the tokenizers library here has DecodeStream
