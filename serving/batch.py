@@ -102,40 +102,62 @@ class PageTable:
 def build_model_inputs(scheduler_output: SchedulerOutput, token_buckets: Sequence[int],
                        seq_buckets: Sequence[int], page_size: int,
                        pages_per_seq: int, prev_rows: Mapping[str, int] | None = None,
-                       page_table: PageTable | None = None) -> ModelInputs:
+                       page_table: PageTable | None = None,
+                       bucket: tuple[int, int] | None = None) -> ModelInputs:
     """prev_rows: request id -> its row in the step before, for requests whose last token
     that step sampled is still on the device (Request.num_pending_tokens). page_table:
-    the requests' page ids, kept as they change (else read from each request)."""
+    the requests' page ids, kept as they change (else read from each request). bucket:
+    step_bucket's (T, S), where the caller has it."""
     scheduled = scheduler_output.scheduled
     num_seqs = len(scheduled)
-    num_new = np.fromiter((s.num_new_tokens for s in scheduled), np.int32, num_seqs)
     starts = np.fromiter((s.start for s in scheduled), np.int32, num_seqs)
-    num_tokens = int(num_new.sum())
-    T, S = step_bucket(scheduler_output, token_buckets, seq_buckets)
-
-    query_start = np.full(S + 1, num_tokens, np.int32)
-    query_start[0] = 0
-    np.cumsum(num_new, out=query_start[1:num_seqs + 1])
-    kv_lens = np.zeros(S, np.int32)
-    kv_lens[:num_seqs] = starts + num_new
-    logits_index = np.zeros(S, np.int32)
-    logits_index[:num_seqs] = query_start[1:num_seqs + 1] - 1
-
+    num_tokens = sum(s.num_new_tokens for s in scheduled)
+    T, S = bucket or step_bucket(scheduler_output, token_buckets, seq_buckets)
     table = None if page_table is None else page_table.rows(scheduled, S)
     if table is None:
         table = _page_table(scheduled, S, pages_per_seq)
-    # Per-token sequence index and position, without a per-token Python loop.
-    seq_of_token = np.repeat(np.arange(num_seqs, dtype=np.int32), num_new)
     positions = np.zeros(T, np.int32)
-    positions[:num_tokens] = (np.arange(num_tokens, dtype=np.int32)
-                              - query_start[seq_of_token] + starts[seq_of_token])
+    query_start = np.empty(S + 1, np.int32)
+    logits_index = np.zeros(S, np.int32)
+    kv_lens = np.zeros(S, np.int32)
+    if num_tokens == num_seqs:  # decodes: one token each
+        seq_of_token = np.arange(num_seqs, dtype=np.int32)
+        query_start[:num_seqs + 1] = np.arange(num_seqs + 1, dtype=np.int32)
+        query_start[num_seqs + 1:] = num_seqs
+        logits_index[:num_seqs] = seq_of_token
+        positions[:num_seqs] = starts
+        kv_lens[:num_seqs] = starts + 1
+    else:
+        num_new = np.fromiter((s.num_new_tokens for s in scheduled), np.int32, num_seqs)
+        query_start[:] = num_tokens
+        query_start[0] = 0
+        np.cumsum(num_new, out=query_start[1:num_seqs + 1])
+        kv_lens[:num_seqs] = starts + num_new
+        logits_index[:num_seqs] = query_start[1:num_seqs + 1] - 1
+        # Per-token sequence index and position, without a per-token Python loop.
+        seq_of_token = np.repeat(np.arange(num_seqs, dtype=np.int32), num_new)
+        positions[:num_tokens] = (np.arange(num_tokens, dtype=np.int32)
+                                  - query_start[seq_of_token] + starts[seq_of_token])
     slot_mapping = np.zeros(T, np.int32)
-    pages = table[seq_of_token, positions[:num_tokens] // page_size]
-    slot_mapping[:num_tokens] = pages * page_size + positions[:num_tokens] % page_size
+    real_positions = positions[:num_tokens]
+    pages = table[seq_of_token, real_positions // page_size]
+    slot_mapping[:num_tokens] = pages * page_size + real_positions % page_size
 
     token_ids = np.zeros(T, np.int32)
     prev_index = np.full(T, -1, np.int32)
-    if any(s.request.num_pending_tokens for s in scheduled):
+    all_pending = False
+    if prev_rows and num_tokens == num_seqs:
+        # A decode step of the overlapped loop: every row's input is most often the token
+        # the step before sampled for it (on the device still); one pass finds out.
+        rows = np.fromiter((prev_rows.get(s.request.request_id, -1)
+                            if s.samples and s.request.num_pending_tokens else -1
+                            for s in scheduled), np.int32, num_seqs)
+        all_pending = num_seqs > 0 and rows.min() >= 0
+        if all_pending:
+            prev_index[:num_seqs] = rows
+    if all_pending:  # token_ids stay 0 where prev_index is set
+        pass
+    elif any(s.request.num_pending_tokens for s in scheduled):
         token_ids[:num_tokens] = _tokens_with_pending(scheduled, logits_index, prev_index,
                                                       prev_rows or {})
     else:

@@ -9,7 +9,7 @@ from __future__ import annotations
 
 import dataclasses
 import functools
-import itertools
+import struct
 from collections.abc import Sequence
 
 import jax
@@ -61,15 +61,16 @@ class SamplingEntry:
     blocked_ids: tuple[int, ...]  # ids masked this step (eos/stop ids before min_tokens)
     penalty_tokens: list[int] | None  # prompt + output ids; None unless penalties apply
     num_prompt_tokens: int
-    row: tuple | None = None  # sampling_row(params, seed), where the caller keeps it
+    row: bytes | None = None  # sampling_row(params, seed), where the caller keeps it
 
 
-def sampling_row(params: SamplingParams, seed: int) -> tuple:
-    """A sequence's fixed sampling values in `_ROW_COLUMNS` order (a sequence's row is the
-    same every step, so the engine computes it once)."""
-    return (params.temperature, params.top_p, max(params.top_k, 0), params.min_p,
-            params.presence_penalty, params.frequency_penalty, params.repetition_penalty,
-            seed, params.logprobs is not None)
+def sampling_row(params: SamplingParams, seed: int) -> bytes:
+    """A sequence's fixed sampling values in `_ROW_COLUMNS` order, packed as float64 (exact
+    for u32 seeds): a sequence's row is the same every step, so the engine packs it once
+    and a step's table is one join of its rows' bytes."""
+    return struct.pack(_ROW_FORMAT, params.temperature, params.top_p, max(params.top_k, 0),
+                       params.min_p, params.presence_penalty, params.frequency_penalty,
+                       params.repetition_penalty, seed, params.logprobs is not None)
 
 
 @jax.tree_util.register_dataclass
@@ -98,6 +99,7 @@ _ROW_COLUMNS = (("temperature", np.float32, 0), ("top_p", np.float32, 1),
                 ("presence_penalty", np.float32, 0), ("frequency_penalty", np.float32, 0),
                 ("repetition_penalty", np.float32, 1), ("seed", np.uint32, 0))
 _PADDING_ROW = tuple(pad for _, _, pad in _ROW_COLUMNS) + (False,)
+_ROW_FORMAT = f"={len(_PADDING_ROW)}d"  # sampling_row's values: the columns, want_logprobs
 
 
 @functools.lru_cache(maxsize=64)
@@ -127,10 +129,9 @@ def build_sampling_arrays(entries: Sequence[SamplingEntry], num_padded_seqs: int
     table = np.empty((s, len(_PADDING_ROW)), np.float64)
     table[n:] = _PADDING_ROW
     if n:
-        rows = [e.row if e.row is not None else sampling_row(e.params, e.seed)
-                for e in entries]
-        table[:n] = np.fromiter(itertools.chain.from_iterable(rows), np.float64,
-                                n * len(_PADDING_ROW)).reshape(n, -1)
+        rows = b"".join([e.row if e.row is not None else sampling_row(e.params, e.seed)
+                         for e in entries])
+        table[:n] = np.frombuffer(rows, np.float64).reshape(n, -1)
     columns = {name: table[:, j].astype(dtype) for j, (name, dtype, _) in enumerate(_ROW_COLUMNS)}
     output_index = np.zeros(s, np.int32)
     output_index[:n] = np.fromiter((e.output_index for e in entries), np.int32, n)
@@ -141,7 +142,8 @@ def build_sampling_arrays(entries: Sequence[SamplingEntry], num_padded_seqs: int
         num_prompt_tokens=np.zeros(s, np.int32),
         want_logprobs=np.array(bool(table[:n, -1].any())),
         token_mask=_no_token_mask(s, vocab_size) if token_mask is None else token_mask)
-    for i, entry in enumerate(entries):  # rows with min_tokens or penalties only
+    for i in [i for i, e in enumerate(entries) if e.blocked_ids or e.penalty_tokens is not None]:
+        entry = entries[i]  # rows with min_tokens or penalties only
         if entry.blocked_ids:
             arrays.blocked_ids[i, :len(entry.blocked_ids)] = entry.blocked_ids
         tokens = entry.penalty_tokens
