@@ -158,8 +158,7 @@ class AsyncLLM:
                 self._die(exc)
                 continue
             self._stats = self.engine.stats()
-            for output in outputs:
-                self._deliver(output.request_id, output)
+            self._deliver_step(outputs)
             for listener in self.step_listeners if self.engine.last_step else ():
                 try:
                     listener(self.engine.last_step, outputs)
@@ -182,6 +181,26 @@ class AsyncLLM:
             except Exception as exc:
                 future.set_exception(exc)
         self._stats = self.engine.stats()
+
+    def _deliver_step(self, outputs: list[RequestOutput]) -> None:
+        """A step's outputs to their streams: one call into each event loop for all of them
+        (a `call_soon_threadsafe` per output costs ~4 us of this thread, a lock and a
+        write to the loop's self-pipe each: ~1 ms a step at 256 streams)."""
+        by_loop: dict[asyncio.AbstractEventLoop, list] = {}
+        streams = self._streams
+        for output in outputs:
+            target = streams.get(output.request_id)
+            if target is not None:
+                loop, stream = target
+                items = by_loop.get(loop)
+                if items is None:
+                    items = by_loop[loop] = []
+                items.append((stream, output))
+        for loop, items in by_loop.items():
+            try:
+                loop.call_soon_threadsafe(_put_all, items)
+            except RuntimeError:  # its event loop has closed: nobody is left to read them
+                pass
 
     def _deliver(self, request_id: str, item) -> None:
         target = self._streams.get(request_id)
@@ -206,3 +225,9 @@ class AsyncLLM:
             self._deliver(request_id, self._dead_error())
         for listener in self.dead_listeners:
             listener(exc)
+
+
+def _put_all(items: list[tuple[asyncio.Queue, object]]) -> None:
+    """On the streams' event loop: each output onto its stream, in step order."""
+    for stream, item in items:
+        stream.put_nowait(item)

@@ -43,6 +43,34 @@ async def test_concurrent_requests_get_what_they_get_alone(async_llm, tiny_ckpt,
     assert together == alone
 
 
+async def test_a_steps_outputs_reach_the_event_loop_in_one_call(async_llm):
+    """The engine thread hands each step's outputs to the loop at once (not one
+    thread-safe call per output), and every stream still gets each of its outputs in order."""
+    from serving import async_llm as module
+    loop = asyncio.get_running_loop()
+    batches: list[list] = []
+    original = loop.call_soon_threadsafe
+
+    def counting(callback, *args, **kwargs):
+        if callback is module._put_all:
+            batches.append([output.request_id for _, output in args[0]])
+        return original(callback, *args, **kwargs)
+
+    loop.call_soon_threadsafe = counting
+    try:
+        params = SamplingParams(temperature=0, max_tokens=8, ignore_eos=True)
+        prompts = make_prompts([5, 6, 7, 8], seed=4)
+        results = await asyncio.gather(*(collect(async_llm, p, params, request_id=f"b{i}")
+                                         for i, p in enumerate(prompts)))
+    finally:
+        del loop.call_soon_threadsafe
+    for i, outs in enumerate(results):
+        assert [len(o.outputs[0].token_ids) for o in outs] == list(range(1, 9))
+        assert sum(batch.count(f"b{i}") for batch in batches) == len(outs)
+    assert any(len(batch) == 4 for batch in batches)  # the four decode together
+    assert len(batches) < sum(map(len, results))
+
+
 async def test_leaving_the_stream_early_aborts_and_frees_pages(async_llm):
     params = SamplingParams(temperature=0, max_tokens=100, ignore_eos=True)
     gen = async_llm.generate({"prompt_token_ids": [7] * 30}, params, request_id="early")
