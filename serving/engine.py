@@ -12,7 +12,7 @@ import numpy as np
 from qwen_jax.model import Qwen3ForCausalLM
 from qwen_jax.weights import DEFAULT_MODEL_DIR, resolve_model_path
 from serving import distributed, engine_setup, engine_stats
-from serving.batch import build_model_inputs, step_bucket
+from serving.batch import ModelInputs, build_model_inputs, step_bucket
 from serving.detokenizer import IncrementalDetokenizer
 from serving.engine_config import EngineConfig
 from serving.generation_config import sampling_defaults
@@ -266,12 +266,12 @@ class LLMEngine:
     def _launch(self, out: SchedulerOutput) -> _Flight:
         """Build the step's inputs and dispatch it; returns at once."""
         buckets = self.scheduler_config.token_bucket_sizes, self.scheduler_config.seq_bucket_sizes
-        masks = self._masks.submit(self._constrained_rows(out),  # filled meanwhile
-                                   step_bucket(out, *buckets)[1])
+        bucket = step_bucket(out, *buckets)
+        masks = self._masks.submit(self._constrained_rows(out), bucket[1])  # filled meanwhile
         previous = self._in_flight
         batch = build_model_inputs(out, *buckets, self.page_size, self.pages_per_seq,
                                    None if previous is None else previous.rows,
-                                   self.page_table)
+                                   self.page_table, bucket)
         sampling = build_sampling_arrays(
             self._sampling_entries(out), batch.padded_num_seqs,
             self.max_model_len, self.model_config.vocab_size,
@@ -287,7 +287,7 @@ class LLMEngine:
             if scheduled.samples:
                 rows[scheduled.request.request_id] = row
                 scheduled.request.num_pending_tokens += 1
-        return _Flight(out, pending, rows, started, batch.num_tokens, batch.bucket)
+        return _Flight(out, pending, rows, started, batch)
 
     def _retire(self, flight: _Flight) -> list[RequestOutput]:
         """Read a dispatched step's tokens and process them."""
@@ -297,10 +297,11 @@ class LLMEngine:
         # The device time of the step, about: from its dispatch or the step before's end.
         seconds = now - max(flight.started, self._last_retired)
         self._last_retired = now
-        self.last_step = {"num_tokens": flight.num_tokens, "num_seqs": out.num_seqs,
-                          "bucket": flight.bucket, "seconds": seconds,
+        batch = flight.batch
+        self.last_step = {"num_tokens": batch.num_tokens, "num_seqs": out.num_seqs,
+                          "bucket": batch.bucket, "seconds": seconds,
                           "num_preempted": len(out.preempted),
-                          "num_admitted": out.num_admitted, "shape": _step_shape(out)}
+                          "num_admitted": out.num_admitted, "shape": _step_shape(batch)}
         return self._process_tokens(out, result)
 
     def _process_tokens(self, out, result) -> list[RequestOutput]:
@@ -310,6 +311,7 @@ class LLMEngine:
         now = time.monotonic()  # every token of the step reached the host now
         seqs, parents = self._seqs, self._parents
         append = self.output_processor.append
+        streamed_output = self.output_processor.streamed_output
         vocab, logprobs = self.model_config.vocab_size, result.logprobs
         outputs: list[RequestOutput] = []
         touched: dict[str, ParentState] = {}  # requests with n > 1
@@ -339,8 +341,10 @@ class LLMEngine:
             parent = parents[seq.parent_id]
             if len(parent.children) > 1:
                 touched[seq.parent_id] = parent  # one output for its samples, after the loop
-            elif parent.stream or request.is_finished:
-                outputs.append(self._emit(parent, request.is_finished))
+            elif request.is_finished:
+                outputs.append(self._emit(parent, True))
+            elif parent.stream:
+                outputs.append(streamed_output(parent, seq))
         for parent in touched.values():
             finished = parent.finished
             if parent.stream or finished:
@@ -424,11 +428,11 @@ class _Flight:
     pending: PendingStep
     rows: dict[str, int]  # request id -> row, of the requests it samples a token for
     started: float
-    num_tokens: int
-    bucket: tuple[int, int]
+    batch: ModelInputs  # its host arrays
 
 
-def _step_shape(out: SchedulerOutput) -> StepShape:
+def _step_shape(batch: ModelInputs) -> StepShape:
     """Each scheduled sequence's new tokens and its context once they are written."""
-    return StepShape(query_lens=tuple(s.num_new_tokens for s in out.scheduled),
-                     context_lens=tuple(s.start + s.num_new_tokens for s in out.scheduled))
+    num_seqs = int(batch.num_seqs)
+    return StepShape(query_lens=tuple(np.diff(batch.query_start[:num_seqs + 1]).tolist()),
+                     context_lens=tuple(batch.kv_lens[:num_seqs].tolist()))

@@ -4,6 +4,7 @@ logprobs, and gathering the n samples of a request into one RequestOutput."""
 from __future__ import annotations
 
 import dataclasses
+import time
 from typing import TYPE_CHECKING
 
 from serving.detokenizer import IncrementalDetokenizer
@@ -92,7 +93,14 @@ class OutputProcessor:
         Runs once per sampled token of every request: one call, no helpers on the way."""
         request = seq.request
         params = request.sampling_params
-        request.append_output_token(token, now)
+        output_ids = request.output_token_ids
+        output_ids.append(token)  # Request.append_output_token, inlined
+        metrics = request.metrics
+        if now is None:
+            now = time.monotonic()
+        if metrics.first_token_time is None:
+            metrics.first_token_time = now
+        metrics.last_token_time = now
         if seq.logprobs is not None:
             self._record_logprobs(seq, token, logprobs, row)
         status = None
@@ -103,7 +111,7 @@ class OutputProcessor:
             if detokenizer.stop_reason is not None:  # a stop string ended the text
                 request.stop_reason = detokenizer.stop_reason
                 status = RequestStatus.FINISHED_STOPPED
-        num_output = len(request.output_token_ids)
+        num_output = len(output_ids)
         if status is None and num_output >= params.min_tokens:
             if not params.ignore_eos and token in self.eos_token_ids:
                 status = RequestStatus.FINISHED_STOPPED
@@ -164,13 +172,24 @@ class OutputProcessor:
             None if seq.logprobs is None else seq.cumulative_logprob, seq.logprobs,
             FINISH_REASONS.get(request.status), request.stop_reason)
 
+    @staticmethod
+    def streamed_output(parent: ParentState, seq: SeqState) -> RequestOutput:
+        """request_output(parent, False) of a request with one sample that goes on: built
+        in one call, as it is per streamed request per step."""
+        request = seq.request
+        return RequestOutput(
+            parent.request_id, parent.prompt, parent.prompt_token_ids, parent.prompt_logprobs,
+            [CompletionOutput(seq.index, seq.text, request.output_token_ids.copy(),
+                              None if seq.logprobs is None else seq.cumulative_logprob,
+                              seq.logprobs, None, request.stop_reason)],
+            False, request.metrics, request.num_cached_tokens, parent.error)
+
     def request_output(self, parent: ParentState, finished: bool | None = None) -> RequestOutput:
         """`finished`: parent.finished, where the caller has it."""
         children = parent.children
         first = children[0].request
         return RequestOutput(
             parent.request_id, parent.prompt, parent.prompt_token_ids, parent.prompt_logprobs,
-            [self.completion(children[0])] if len(children) == 1
-            else list(map(self.completion, children)),
+            list(map(self.completion, children)),
             parent.finished if finished is None else finished, first.metrics,
             first.num_cached_tokens, parent.error)

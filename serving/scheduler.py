@@ -189,6 +189,7 @@ class Scheduler:
     def _schedule_running(self, step: _Step) -> None:
         head = self.waiting.head if self.waiting else None
         running, page_size = RequestStatus.RUNNING, self.kv.page_size
+        scheduled = step.scheduled
         for request in list(self.running):
             if step.budget == 0:
                 break
@@ -208,9 +209,12 @@ class Scheduler:
                 continue
             if num_left == 1:
                 num_new = 1
-                if request.num_computed_tokens < len(request.page_ids) * page_size:
-                    # a decode whose pages hold its next token (allocate_slots' fast path)
-                    step.add(request, 1, request.num_computed_tokens, num_tokens)
+                start = request.num_computed_tokens
+                if start < len(request.page_ids) * page_size:
+                    # a decode whose pages hold its next token (allocate_slots' fast path;
+                    # step.add, inlined: this runs per running request per step)
+                    scheduled[request.request_id] = ScheduledSeq(request, 1, start, True)
+                    step.budget -= 1
                     continue
             else:
                 num_new = self.prefill_cap.chunk(num_left, step.budget)
