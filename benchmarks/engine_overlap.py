@@ -4,7 +4,9 @@
    256) and the device step replaced by an instant fake: schedule + inputs + sampling
    arrays + output processing, serial and overlapped; the overlapped step's parts; and a
    fixed pure-Python loop timed between steps, so runs on this noisy machine (and two
-   checkouts, before/after) compare as ratios.
+   checkouts, before/after) compare as ratios. Then the same streamed decodes through
+   AsyncLLM, as the server runs them: the engine thread's whole iteration, outputs
+   handed to an event loop whose coroutines read them.
 2. A fake device step of fixed duration d (default 2 ms and 12 ms, H200 estimates of a
    Qwen3-30B-A3B decode step at batch 1 and 64): the fake device runs the dispatched steps
    one after another, in real time, while the host goes on (it sleeps; it does not use a
@@ -191,6 +193,56 @@ def host_cost(engine, steps: int) -> dict:
                          for name, v in spent.items() if v}}
 
 
+def async_engine_thread(model, num_seqs: int, steps: int, cache_dir) -> dict:
+    """What the server's engine thread spends per step: AsyncLLM around an overlapped engine
+    of `num_seqs` streamed decodes (instant fake device), each request's outputs read by a
+    coroutine on an event loop in another thread, as the server's handlers read them.
+    Median ms from one `engine.step()` start to the next (the step, the stats, handing
+    the outputs to the event loop, the listeners; and whatever the loop thread holds the
+    GIL for meanwhile), and the calibration loop timed on a third thread afterwards."""
+    import asyncio
+    import threading
+
+    from serving.async_llm import AsyncLLM
+    engine = decoding_engine(model, num_seqs, steps, True, cache_dir, stream=True)
+    loop = asyncio.new_event_loop()
+    threading.Thread(target=loop.run_forever, daemon=True).start()
+    received = [0]
+
+    async def read(stream):
+        while True:
+            await stream.get()
+            received[0] += 1
+
+    async def start():
+        streams = {}
+        for request_id in engine.request_ids():
+            streams[request_id] = (loop, asyncio.Queue())
+            loop.create_task(read(streams[request_id][1]))
+        return streams
+
+    streams = asyncio.run_coroutine_threadsafe(start(), loop).result()
+    starts: list[float] = []
+    step = engine.step
+
+    def timed_step():
+        starts.append(time.perf_counter())
+        return step()
+
+    engine.step = timed_step  # type: ignore[method-assign]
+    llm = AsyncLLM(engine=engine)
+    llm._streams.update(streams)  # the streams AsyncLLM.generate would have registered
+    while len(starts) < steps + 5:
+        time.sleep(0.01)
+    llm.shutdown()
+    loop.call_soon_threadsafe(loop.stop)
+    gaps = [b - a for a, b in zip(starts[5:], starts[6:])]
+    reference = statistics.median(calibration() for _ in range(20))
+    wall = statistics.median(gaps)
+    return {"ms": round(1e3 * wall, 3), "calibration_ms": round(1e3 * reference, 3),
+            "x_calibration": round(wall / reference, 3), "outputs_read": received[0]}
+
+
 def fake_device_runs(args) -> dict:
     out: dict = {"host_ms_per_step": {}, "fake_device": {}}
     for n in args.seqs:
@@ -200,6 +252,9 @@ def fake_device_runs(args) -> dict:
                    for mode in ("serial", "overlapped")}
         for mode, engine in engines.items():
             row[mode] = host_cost(engine, args.steps)
+        if not args.final_only:
+            row["async_llm_thread"] = async_engine_thread(args.model, n, args.steps,
+                                                          args.compilation_cache_dir)
         out["host_ms_per_step"][str(n)] = row
         for d in ([] if args.host_only else args.device_ms):
             cell: dict = {}
