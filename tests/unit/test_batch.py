@@ -133,3 +133,31 @@ def test_page_table_mirrors_page_lists_through_admissions_preemptions_and_finish
     assert not scheduler.has_unfinished and num_preempted > 0
     assert kv.pool.num_free_pages == kv.num_total_pages and not table.table.any()
     assert sorted(table._free_rows) == list(range(table.table.shape[0]))
+
+
+def test_decodes_whose_tokens_are_still_on_the_device():
+    """The overlapped loop's decode step: a row whose token the step before sampled (still
+    pending) reads it from that step's row (prev_index, token 0); when one row's token is on
+    the host instead, it gets that token and the others still point at their rows."""
+    def decodes():
+        seqs = [seq(f"r{i}", range(10 * i, 10 * i + 9), [i + 1, i + 2, i + 3], start=8,
+                    num_new=1) for i in range(3)]
+        for s in seqs:  # token 8 (the 9th) was sampled by the step before, not read yet
+            s.request.prompt_token_ids.pop()
+            s.request.num_pending_tokens = 1
+        return seqs
+
+    seqs = decodes()
+    prev_rows = {"r0": 2, "r1": 0, "r2": 1}
+    inputs = build_model_inputs(SchedulerOutput(seqs, []), [8], [4], BS, PAGES, prev_rows)
+    assert inputs.token_ids.tolist() == [0] * 8
+    assert inputs.prev_index.tolist() == [2, 0, 1] + [-1] * 5
+    assert inputs.positions[:3].tolist() == [8, 8, 8] and inputs.kv_lens.tolist() == [9] * 3 + [0]
+
+    seqs = decodes()
+    seqs[1].request.prompt_token_ids.append(18)  # r1's token reached the host
+    seqs[1].request.num_pending_tokens = 0
+    seqs[1] = ScheduledSeq(seqs[1].request, 1, 8, True)
+    inputs = build_model_inputs(SchedulerOutput(seqs, []), [8], [4], BS, PAGES, prev_rows)
+    assert inputs.token_ids.tolist() == [0, 18, 0] + [0] * 5
+    assert inputs.prev_index.tolist() == [2, -1, 1] + [-1] * 5
