@@ -55,6 +55,9 @@ async def test_request_and_step_histograms_vllm_users_graph(server):
     assert grew("request_max_num_generation_tokens_sum") == 4
     assert grew("request_params_n_sum") == 2 and grew("request_params_max_tokens_sum") == 4
     assert grew("time_per_output_token_seconds_count") >= 3
+    assert grew("inter_token_latency_seconds_count") == grew(
+        "time_per_output_token_seconds_count")
+    assert grew("generation_tokens_total") == 8
     steps = grew("iteration_tokens_total_count")
     assert steps >= 4 and grew("iteration_seqs_count") == steps
     assert grew("iteration_new_seqs_sum") == 2  # the two samples were admitted once each

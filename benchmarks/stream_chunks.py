@@ -1,0 +1,81 @@
+"""The server's event-loop work per streamed output: what `Job.chunks` (the metrics
+tracker, the delta of text and tokens, the chat reply's delta) and `sse` (the JSON) cost
+for one RequestOutput of a streamed request, as the server's handlers run them for every
+output of every stream. Prints JSON: microseconds per output, median of the repeats.
+
+    PYTHONPATH=. python benchmarks/stream_chunks.py [--tokens 300] [--repeats 15]
+
+Run it on two checkouts in turn for a before/after (it only needs `serving`).
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import statistics
+import time
+
+from serving import openai_protocol as proto
+from serving.metrics import Metrics
+from serving.openai_outputs import Job, sse
+from serving.request import CompletionOutput, RequestMetrics, RequestOutput
+
+
+class _NoEngine:
+    """Metrics' engine collector reads stats only when scraped; nothing scrapes here."""
+
+    engine = None
+
+    def stats(self) -> dict:
+        return {}
+
+
+def outputs(num_tokens: int) -> list[RequestOutput]:
+    """The cumulative outputs of one stream, a token (two characters) per step."""
+    text, ids, out = "", [], []
+    for _ in range(num_tokens):
+        text += "ab"
+        ids.append(5)
+        out.append(RequestOutput("x", None, [1] * 10, None, [CompletionOutput(0, text, list(ids))],
+                                 False, RequestMetrics(arrival_time=0.0)))
+    return out
+
+
+def per_output_us(kind: str, stream: list[RequestOutput], repeats: int) -> dict:
+    metrics = Metrics(_NoEngine(), "m")
+    if kind == "chat":
+        req = proto.parse_chat({"model": "m", "messages": [{"role": "user", "content": "hi"}],
+                                "stream": True, "max_tokens": 4000}, 1000)
+        prompt_param, job_kind = "messages", "chatcmpl"
+    else:
+        req = proto.parse_completion({"model": "m", "prompt": "hi", "stream": True,
+                                      "max_tokens": 4000}, 1000)
+        prompt_param, job_kind = "prompt", "cmpl"
+    params = [proto.sampling_params(req, 10, 8192, prompt_param)]
+    runs = []
+    for _ in range(repeats):
+        job = Job(kind=job_kind, request_id="x", model="m", req=req, prompts=[[1] * 10],
+                  params=params, metrics=metrics)
+        t = time.perf_counter()
+        for output in stream:
+            for chunk in job.chunks(0, output):
+                sse(chunk)
+        runs.append((time.perf_counter() - t) / len(stream) * 1e6)
+    return {"median": round(statistics.median(runs), 2), "min": round(min(runs), 2)}
+
+
+def main(argv=None) -> dict:
+    p = argparse.ArgumentParser(description=__doc__.split("\n")[0])
+    p.add_argument("--tokens", type=int, default=300, help="outputs (tokens) per stream")
+    p.add_argument("--repeats", type=int, default=15)
+    args = p.parse_args(argv)
+    stream = outputs(args.tokens)
+    report = {"tokens": args.tokens, "repeats": args.repeats,
+              "us_per_output": {kind: per_output_us(kind, stream, args.repeats)
+                                for kind in ("chat", "completions")}}
+    print(json.dumps(report))
+    return report
+
+
+if __name__ == "__main__":
+    main()
