@@ -56,12 +56,15 @@ def per_output_us(kind: str, stream: list[RequestOutput], repeats: int) -> dict:
     for _ in range(repeats):
         job = Job(kind=job_kind, request_id="x", model="m", req=req, prompts=[[1] * 10],
                   params=params, metrics=metrics)
+        num_chunks = 0
         t = time.perf_counter()
         for output in stream:
             for chunk in job.chunks(0, output):
                 sse(chunk)
+                num_chunks += 1
         runs.append((time.perf_counter() - t) / len(stream) * 1e6)
-    return {"median": round(statistics.median(runs), 2), "min": round(min(runs), 2)}
+    return {"median": round(statistics.median(runs), 2), "min": round(min(runs), 2),
+            "chunks_per_pass": num_chunks}
 
 
 def main(argv=None) -> dict:
