@@ -134,6 +134,11 @@ class _Factory:
         return Gauge(self.name(base, own), doc, ["model_name"], registry=self.registry)
 
 
+# The metrics `Metrics.on_step` updates every engine step.
+_STEP_SERIES = ("iteration_tokens", "iteration_seqs", "iteration_new_seqs", "step_seconds",
+                "flops", "bytes", "flops_rate", "bytes_rate", "mfu", "mbu")
+
+
 class Metrics:
     """`cost_model` and `peak` (None: unknown, e.g. a CPU) turn each step's shape and
     device time into FLOP/s and bytes/s, and into utilisation of `num_devices` x peak."""
@@ -154,6 +159,8 @@ class Metrics:
         self.itl_series = self.itl.labels(model_name)
         self.tpot_series = self.tpot.labels(model_name)
         self._step_metrics(f)
+        self._step_series = {name: getattr(self, name).labels(model_name)
+                             for name in _STEP_SERIES if hasattr(self, name)}  # mfu: a peak
         self.http_responses = f.counter("http_responses", "HTTP responses by status code.",
                                         ["code"], own=True)
         self.registry.register(_EngineCollector(llm, model_name, prefix))
@@ -228,27 +235,27 @@ class Metrics:
                 ).labels(self.model_name).set(peak_bytes)
 
     def on_step(self, step_info: dict, outputs) -> None:
-        """Engine-thread step listener."""
-        label = self.model_name
-        self.iteration_tokens.labels(label).observe(step_info.get("num_tokens", 0))
-        self.iteration_seqs.labels(label).observe(step_info.get("num_seqs", 0))
-        self.iteration_new_seqs.labels(label).observe(step_info.get("num_admitted", 0))
+        """Engine-thread step listener (the series labelled once: it runs every step)."""
+        series = self._step_series
+        series["iteration_tokens"].observe(step_info.get("num_tokens", 0))
+        series["iteration_seqs"].observe(step_info.get("num_seqs", 0))
+        series["iteration_new_seqs"].observe(step_info.get("num_admitted", 0))
         seconds, shape = step_info.get("seconds"), step_info.get("shape")
         if seconds is None:
             return
-        self.step_seconds.labels(label).observe(seconds)
+        series["step_seconds"].observe(seconds)
         if shape is None or self.cost_model is None or seconds <= 0:
             return
         cost = self.cost_model.cost(shape)
-        self.flops.labels(label).inc(cost.flops)
-        self.bytes.labels(label).inc(cost.bytes)
-        self.flops_rate.labels(label).observe(cost.flops / seconds)
-        self.bytes_rate.labels(label).observe(cost.bytes / seconds)
+        series["flops"].inc(cost.flops)
+        series["bytes"].inc(cost.bytes)
+        series["flops_rate"].observe(cost.flops / seconds)
+        series["bytes_rate"].observe(cost.bytes / seconds)
         if self.peak is not None:
             peak_flops = self.peak.flops(self.cost_model.param_bytes) * self.num_devices
             peak_bytes = self.peak.memory_bytes_per_s * self.num_devices
-            self.mfu.labels(label).observe(cost.flops / seconds / peak_flops)
-            self.mbu.labels(label).observe(cost.bytes / seconds / peak_bytes)
+            series["mfu"].observe(cost.flops / seconds / peak_flops)
+            series["mbu"].observe(cost.bytes / seconds / peak_bytes)
 
     def tracker(self, params: SamplingParams | None = None) -> RequestTracker:
         return RequestTracker(self, params)

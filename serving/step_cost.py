@@ -25,6 +25,7 @@ estimate. FLOPs do not depend on it: each token runs exactly k experts.
 from __future__ import annotations
 
 import dataclasses
+import functools
 import operator
 from collections.abc import Sequence
 
@@ -50,7 +51,7 @@ class StepShape:
             raise ValueError(f"a sequence has query_len={q} and context_len={c}: "
                              "need 1 <= query_len <= context_len")
 
-    @property
+    @functools.cached_property
     def num_tokens(self) -> int:
         return sum(self.query_lens)
 
@@ -58,11 +59,14 @@ class StepShape:
     def num_seqs(self) -> int:
         return len(self.query_lens)
 
-    @property
+    @functools.cached_property
     def attended_pairs(self) -> int:
         """(query, key) pairs under the causal mask: a chunk of q new tokens ending at
         context c has its i-th token (0-based) see c - q + i + 1 keys."""
-        return sum(q * c - q * (q - 1) // 2 for q, c in zip(self.query_lens, self.context_lens))
+        pairs = sum(map(operator.mul, self.query_lens, self.context_lens))  # per step: C loops
+        if self.query_lens and max(self.query_lens) > 1:  # decodes (q = 1) hide no pairs
+            pairs -= sum(q * (q - 1) // 2 for q in self.query_lens)
+        return pairs
 
 
 @dataclasses.dataclass(frozen=True)
@@ -103,7 +107,7 @@ class CostModel:
         return cls(engine.model_config, np.dtype(engine.model.dtype).itemsize,
                    np.dtype(engine.kv_cache_dtype).itemsize)
 
-    @property
+    @functools.cached_property
     def _num_moe_layers(self) -> int:
         return sum(kind == "moe" for kind in self.config.layer_kinds)
 

@@ -23,6 +23,8 @@ def test_the_shape_counts_the_causal_pairs_of_each_chunk():
     # decode: 10 keys; chunk: its tokens at positions 2, 3, 4 see 3 + 4 + 5 keys.
     assert SHAPE.attended_pairs == 10 + 12
     assert SHAPE.num_tokens == 4 and SHAPE.num_seqs == 2
+    decodes = StepShape(query_lens=(1, 1, 1), context_lens=(4, 5, 6))
+    assert decodes.attended_pairs == 4 + 5 + 6 and decodes.num_tokens == 3
 
 
 def test_flops_of_a_mixed_step_match_the_hand_count():
@@ -82,6 +84,8 @@ def test_expected_experts_is_exact_at_the_ends():
     ((1,), (1, 2), "one each per sequence"),
     ((3,), (2,), "query_len=3 and context_len=2"),
     ((0,), (4,), "query_len=0"),
+    ((1, 4), (3, 3), "query_len=4 and context_len=3"),  # the bad chunk, not the first
+    ((1, 0), (3, 3), "query_len=0 and context_len=3"),
 ])
 def test_a_shape_that_cannot_happen_is_refused(query_lens, context_lens, message):
     with pytest.raises(ValueError, match=message):
