@@ -6,11 +6,13 @@
    fixed pure-Python loop timed between steps, so runs on this noisy machine (and two
    checkouts, before/after) compare as ratios. Then the same streamed decodes through
    AsyncLLM, as the server runs them: the engine thread's whole iteration, outputs
-   handed to an event loop whose coroutines read them.
+   handed to an event loop whose coroutines read them (and, a second time, make each
+   into the server's SSE chunk of a streamed chat completion).
 2. A fake device step of fixed duration d (default 2 ms and 12 ms, H200 estimates of a
    Qwen3-30B-A3B decode step at batch 1 and 64): the fake device runs the dispatched steps
    one after another, in real time, while the host goes on (it sleeps; it does not use a
-   CPU). Step wall time and overlap efficiency d / wall, serial and overlapped.
+   CPU). Step wall time and overlap efficiency d / wall, serial and overlapped, and
+   through AsyncLLM with an SSE chunk made of every output.
 3. The real tiny model on this CPU: output tokens/s of the same greedy workload, serial
    and overlapped, and whether every token is the same.
 0. First, the vocabulary-wide work of a step at Qwen3's 151,936 tokens (lm head and
@@ -193,10 +195,12 @@ def host_cost(engine, steps: int) -> dict:
                          for name, v in spent.items() if v}}
 
 
-def async_engine_thread(model, num_seqs: int, steps: int, cache_dir) -> dict:
+def async_engine_thread(model, num_seqs: int, steps: int, cache_dir,
+                        chunks: bool = False, device_ms: float = 0.0) -> dict:
     """What the server's engine thread spends per step: AsyncLLM around an overlapped engine
     of `num_seqs` streamed decodes (instant fake device), each request's outputs read by a
-    coroutine on an event loop in another thread, as the server's handlers read them.
+    coroutine on an event loop in another thread, as the server's handlers read them
+    (`chunks`: each also made into the server's SSE chunk, as a streamed chat completion).
     Median ms from one `engine.step()` start to the next (the step, the stats, handing
     the outputs to the event loop, the listeners; and whatever the loop thread holds the
     GIL for meanwhile), and the calibration loop timed on a third thread afterwards."""
@@ -205,21 +209,38 @@ def async_engine_thread(model, num_seqs: int, steps: int, cache_dir) -> dict:
 
     from serving.async_llm import AsyncLLM
     engine = decoding_engine(model, num_seqs, steps, True, cache_dir, stream=True)
+    engine.runner.dispatch = FakeDevice(device_ms / 1e3).dispatch
     loop = asyncio.new_event_loop()
     threading.Thread(target=loop.run_forever, daemon=True).start()
     received = [0]
+    if chunks:
+        from benchmarks.stream_chunks import _NoEngine, streamed_job
+        from serving.metrics import Metrics
+        from serving.openai_outputs import sse
+        metrics = Metrics(_NoEngine(), "m")
 
     async def read(stream):
+        job = streamed_job("chat", metrics, engine.model_config.vocab_size) if chunks else None
         while True:
-            await stream.get()
+            output = await stream.get()
             received[0] += 1
+            if job is not None:
+                for chunk in job.chunks(0, output):
+                    sse(chunk)
+
+    readers: list[asyncio.Task] = []
 
     async def start():
         streams = {}
         for request_id in engine.request_ids():
             streams[request_id] = (loop, asyncio.Queue())
-            loop.create_task(read(streams[request_id][1]))
+            readers.append(loop.create_task(read(streams[request_id][1])))
         return streams
+
+    async def stop():
+        for task in readers:
+            task.cancel()
+        await asyncio.gather(*readers, return_exceptions=True)
 
     streams = asyncio.run_coroutine_threadsafe(start(), loop).result()
     starts: list[float] = []
@@ -235,6 +256,7 @@ def async_engine_thread(model, num_seqs: int, steps: int, cache_dir) -> dict:
     while len(starts) < steps + 5:
         time.sleep(0.01)
     llm.shutdown()
+    asyncio.run_coroutine_threadsafe(stop(), loop).result()
     loop.call_soon_threadsafe(loop.stop)
     gaps = [b - a for a, b in zip(starts[5:], starts[6:])]
     reference = statistics.median(calibration() for _ in range(20))
@@ -247,7 +269,9 @@ def fake_device_runs(args) -> dict:
     out: dict = {"host_ms_per_step": {}, "fake_device": {}}
     for n in args.seqs:
         row: dict = {}
-        engines = {mode: decoding_engine(args.model, n, args.steps, mode == "overlapped",
+        # tokens to outlive the host-cost steps and a run per device duration
+        budget = args.steps * max(1, 0 if args.host_only else len(args.device_ms))
+        engines = {mode: decoding_engine(args.model, n, budget, mode == "overlapped",
                                          args.compilation_cache_dir, not args.final_only)
                    for mode in ("serial", "overlapped")}
         for mode, engine in engines.items():
@@ -255,6 +279,8 @@ def fake_device_runs(args) -> dict:
         if not args.final_only:
             row["async_llm_thread"] = async_engine_thread(args.model, n, args.steps,
                                                           args.compilation_cache_dir)
+            row["async_llm_thread_sse_chunks"] = async_engine_thread(
+                args.model, n, args.steps, args.compilation_cache_dir, chunks=True)
         out["host_ms_per_step"][str(n)] = row
         for d in ([] if args.host_only else args.device_ms):
             cell: dict = {}
@@ -263,6 +289,12 @@ def fake_device_runs(args) -> dict:
                 wall = statistics.median(walls)
                 cell[mode] = {"wall_ms": round(1e3 * wall, 3),
                               "efficiency": round(d / 1e3 / wall, 3)}
+            if not args.final_only:  # the server's way: AsyncLLM, a chat SSE chunk per output
+                served = async_engine_thread(args.model, n, args.steps,
+                                             args.compilation_cache_dir, chunks=True,
+                                             device_ms=d)
+                cell["async_llm_sse_chunks"] = {"wall_ms": served["ms"],
+                                                "efficiency": round(d / served["ms"], 3)}
             out["fake_device"].setdefault(f"{d:g}ms", {})[str(n)] = cell
         print(json.dumps({"seqs": n, **{m: r["ms"] for m, r in row.items()}}),
               file=sys.stderr, flush=True)

@@ -41,21 +41,26 @@ def outputs(num_tokens: int) -> list[RequestOutput]:
     return out
 
 
-def per_output_us(kind: str, stream: list[RequestOutput], repeats: int) -> dict:
-    metrics = Metrics(_NoEngine(), "m")
+def streamed_job(kind: str, metrics: Metrics, vocab_size: int = 1000) -> Job:
+    """What the server keeps for one streamed chat or completions request."""
     if kind == "chat":
         req = proto.parse_chat({"model": "m", "messages": [{"role": "user", "content": "hi"}],
-                                "stream": True, "max_tokens": 4000}, 1000)
+                                "stream": True, "max_tokens": 4000}, vocab_size)
         prompt_param, job_kind = "messages", "chatcmpl"
     else:
         req = proto.parse_completion({"model": "m", "prompt": "hi", "stream": True,
-                                      "max_tokens": 4000}, 1000)
+                                      "max_tokens": 4000}, vocab_size)
         prompt_param, job_kind = "prompt", "cmpl"
     params = [proto.sampling_params(req, 10, 8192, prompt_param)]
+    return Job(kind=job_kind, request_id="x", model="m", req=req, prompts=[[1] * 10],
+               params=params, metrics=metrics)
+
+
+def per_output_us(kind: str, stream: list[RequestOutput], repeats: int) -> dict:
+    metrics = Metrics(_NoEngine(), "m")
     runs = []
     for _ in range(repeats):
-        job = Job(kind=job_kind, request_id="x", model="m", req=req, prompts=[[1] * 10],
-                  params=params, metrics=metrics)
+        job = streamed_job(kind, metrics)
         num_chunks = 0
         t = time.perf_counter()
         for output in stream:

@@ -155,7 +155,7 @@ def build_model_inputs(scheduler_output: SchedulerOutput, token_buckets: Sequenc
         all_pending = num_seqs > 0 and rows.min() >= 0
         if all_pending:
             prev_index[:num_seqs] = rows
-    if all_pending:  # token_ids stay 0 where prev_index is set
+    if all_pending:  # the device fills in every token: token_ids stay 0
         pass
     elif any(s.request.num_pending_tokens for s in scheduled):
         token_ids[:num_tokens] = _tokens_with_pending(scheduled, logits_index, prev_index,
