@@ -18,8 +18,13 @@ from serving.request import CompletionOutput, RequestOutput, SamplingParams
 LOGPROB_FLOOR = -9999.0  # JSON has no -inf; vLLM clamps the same way
 
 
+# One encoder for every chunk: json.dumps with a non-default option builds a JSONEncoder
+# per call, a third of the encoding's cost for a small chunk.
+_ENCODER = json.JSONEncoder(ensure_ascii=False)
+
+
 def sse(payload: dict) -> bytes:
-    return b"data: " + json.dumps(payload, ensure_ascii=False).encode() + b"\n\n"
+    return b"data: " + _ENCODER.encode(payload).encode() + b"\n\n"
 
 
 async def merge(gens: list) -> AsyncGenerator[tuple[int, RequestOutput], None]:
