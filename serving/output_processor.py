@@ -4,7 +4,6 @@ logprobs, and gathering the n samples of a request into one RequestOutput."""
 from __future__ import annotations
 
 import dataclasses
-import time
 from typing import TYPE_CHECKING
 
 from serving.detokenizer import IncrementalDetokenizer
@@ -93,14 +92,7 @@ class OutputProcessor:
         Runs once per sampled token of every request: one call, no helpers on the way."""
         request = seq.request
         params = request.sampling_params
-        output_ids = request.output_token_ids
-        output_ids.append(token)  # Request.append_output_token, inlined
-        metrics = request.metrics
-        if now is None:
-            now = time.monotonic()
-        if metrics.first_token_time is None:
-            metrics.first_token_time = now
-        metrics.last_token_time = now
+        request.append_output_token(token, now)
         if seq.logprobs is not None:
             self._record_logprobs(seq, token, logprobs, row)
         status = None
@@ -111,7 +103,7 @@ class OutputProcessor:
             if detokenizer.stop_reason is not None:  # a stop string ended the text
                 request.stop_reason = detokenizer.stop_reason
                 status = RequestStatus.FINISHED_STOPPED
-        num_output = len(output_ids)
+        num_output = len(request.output_token_ids)
         if status is None and num_output >= params.min_tokens:
             if not params.ignore_eos and token in self.eos_token_ids:
                 status = RequestStatus.FINISHED_STOPPED

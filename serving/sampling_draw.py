@@ -74,4 +74,3 @@ def gumbel_max(kept, ids, seed, output_index):
     the order (or ties) in which a path lists its candidates."""
     choice = jnp.argmax(kept + gumbel_noise_at(seed, output_index, ids), axis=-1)
     return jnp.take_along_axis(ids, choice[:, None], axis=-1)[:, 0].astype(jnp.int32)
-
