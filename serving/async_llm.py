@@ -157,13 +157,15 @@ class AsyncLLM:
             except Exception as exc:  # a failed step, or any other: never a silent death
                 self._die(exc)
                 continue
-            self._stats = self.engine.stats()
-            self._deliver_step(outputs)
+            # Listeners first: once a caller has a step's output or sees the engine idle,
+            # that step is in the metrics.
             for listener in self.step_listeners if self.engine.last_step else ():
                 try:
                     listener(self.engine.last_step, outputs)
                 except Exception:  # an observer's bug must not stop the engine
                     logger.exception("step listener %r failed", listener)
+            self._stats = self.engine.stats()
+            self._deliver_step(outputs)
 
     def _run_commands(self) -> None:
         while True:
