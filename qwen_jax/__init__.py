@@ -15,6 +15,7 @@ _PUBLIC = {
     "AsyncLLM": "serving.async_llm",
     "LLMEngine": "serving.engine",
     "SamplingParams": "serving.request",
+    "RequestOutputKind": "serving.request",
     "RequestOutput": "serving.request",
     "CompletionOutput": "serving.request",
     "EngineConfig": "serving.engine_config",

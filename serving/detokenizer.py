@@ -148,8 +148,9 @@ class IncrementalDetokenizer:
         self.stop_reason = stop
         self.text = self.text[:index + len(stop) if self._include_stop else index]
 
-    def _held_back(self) -> int:
-        """Length of the longest text suffix that could begin a stop string."""
+    def held_back(self) -> int:
+        """Length of the longest text suffix that could begin a stop string (text a
+        delta keeps back until a later token settles it)."""
         if self._include_stop:  # a stop string would stay in the output, so nothing to hide
             return 0
         longest = 0
@@ -161,7 +162,7 @@ class IncrementalDetokenizer:
         return longest
 
     def _take_delta(self, *, final: bool) -> str:
-        end = len(self.text) if final else len(self.text) - self._held_back()
+        end = len(self.text) if final else len(self.text) - self.held_back()
         end = max(end, self._num_emitted)
         delta = self.text[self._num_emitted:end]
         self._num_emitted = end

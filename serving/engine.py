@@ -20,6 +20,7 @@ from serving.output_processor import OutputProcessor, ParentState, SeqState
 from serving.request import (
     Request,
     RequestOutput,
+    RequestOutputKind,
     RequestStatus,
     SamplingParams,
 )
@@ -129,9 +130,11 @@ class LLMEngine:
     def add_request(self, request_id: str, prompt, sampling_params: SamplingParams | None = None,
                     *, priority: int = 0, arrival_time: float | None = None,
                     stream: bool = True) -> None:
-        """Queue a request. `stream=False` makes `step` return its output only once it
-        has finished (no per-token output objects: what offline generation needs)."""
+        """Queue a request. `step` returns its outputs as its `output_kind` says;
+        `stream=False` makes that FINAL_ONLY (no per-token output objects: what offline
+        generation needs)."""
         params = sampling_params or SamplingParams()
+        kind = params.output_kind if stream else RequestOutputKind.FINAL_ONLY
         # Request ids, not sequence ids: a request's first sample can finish (and leave the
         # scheduler) while its others run, so the scheduler's own check cannot cover them.
         if request_id in self._parents:
@@ -160,8 +163,9 @@ class LLMEngine:
             self._seqs[child.request.request_id] = child
             self._num_guided += child.guide is not None
             self._num_host_token_seqs += child.needs_host_tokens
-        self._parents[request_id] = ParentState(request_id, text, ids, children, stream,
-                                                prompt_lps)
+        self._parents[request_id] = ParentState(
+            request_id, text, ids, children, kind != RequestOutputKind.FINAL_ONLY, prompt_lps,
+            delta=kind == RequestOutputKind.DELTA)
 
     def _guide(self, params: SamplingParams, prompt_ids: list[int]) -> Guide | None:
         """The grammar matcher of a request with structured outputs, else None."""
@@ -312,6 +316,7 @@ class LLMEngine:
         seqs, parents = self._seqs, self._parents
         append = self.output_processor.append
         streamed_output = self.output_processor.streamed_output
+        streamed_delta = self.output_processor.streamed_delta
         vocab, logprobs = self.model_config.vocab_size, result.logprobs
         outputs: list[RequestOutput] = []
         touched: dict[str, ParentState] = {}  # requests with n > 1
@@ -343,6 +348,8 @@ class LLMEngine:
                 touched[seq.parent_id] = parent  # one output for its samples, after the loop
             elif request.is_finished:
                 outputs.append(self._emit(parent, True))
+            elif parent.delta:
+                outputs.append(streamed_delta(parent, seq))
             elif parent.stream:
                 outputs.append(streamed_output(parent, seq))
         for parent in touched.values():

@@ -21,7 +21,8 @@ from typing import Any
 from serving.llm import LLM
 from serving.request import RequestOutput, SamplingParams
 
-SAMPLING_FIELDS = frozenset(f.name for f in dataclasses.fields(SamplingParams))
+# A file's records get their final outputs only, so output_kind is not one of its fields.
+SAMPLING_FIELDS = frozenset(f.name for f in dataclasses.fields(SamplingParams)) - {"output_kind"}
 OTHER_FIELDS = frozenset({"id", "prompt", "messages", "chat_template_kwargs", "metadata"})
 
 

@@ -46,6 +46,11 @@ class SeqState:
     guide: Guide | None = None  # the grammar matcher of a constrained sequence
     uses_penalties: bool = False  # its sampling params penalise repeats (set on creation)
     sampling_entry: SamplingEntry | None = None  # its sampling arrays' row, kept by the engine
+    # DELTA outputs: how much of its tokens and text earlier outputs held, and whether one
+    # carried its finish reason (logprobs entries are handed over and dropped as sent)
+    num_sent_tokens: int = 0
+    num_sent_chars: int = 0
+    sent_final: bool = False
 
     def __post_init__(self) -> None:
         self.uses_penalties = uses_penalties(self.request.sampling_params)
@@ -68,8 +73,9 @@ class ParentState:
     prompt_token_ids: list[int]
     children: list[SeqState]
     stream: bool = True  # False: only the final output is built (offline generate)
-    prompt_logprobs: list | None = None
+    prompt_logprobs: list | None = None  # DELTA outputs hand it over once, in the first
     error: str | None = None  # why the engine failed this request (finish_reason "error")
+    delta: bool = False  # its outputs hold what is new since the one before (DELTA)
 
     @property
     def finished(self) -> bool:
@@ -176,12 +182,53 @@ class OutputProcessor:
                               seq.logprobs, None, request.stop_reason)],
             False, request.metrics, request.num_cached_tokens, parent.error)
 
+    @staticmethod
+    def delta_completion(seq: SeqState) -> CompletionOutput | None:
+        """What `seq` adds to its previous DELTA output: its new token ids and their
+        logprobs, and its new text but a tail that may begin a stop string while it runs;
+        None when it has nothing new. Costs what is new, not the sequence's length."""
+        request = seq.request
+        tokens = request.output_token_ids
+        start, num_chars = seq.num_sent_tokens, seq.num_sent_chars
+        finish = FINISH_REASONS.get(request.status)
+        text = seq.text
+        end = len(text)
+        if finish is None and seq.detokenizer is not None:
+            end = max(end - seq.detokenizer.held_back(), num_chars)
+        if start == len(tokens) and end == num_chars and (finish is None or seq.sent_final):
+            return None
+        seq.num_sent_tokens, seq.num_sent_chars = len(tokens), end
+        seq.sent_final = finish is not None
+        logprobs = seq.logprobs
+        if logprobs is not None:
+            seq.logprobs = []  # the engine keeps no entry a DELTA output has handed over
+        return CompletionOutput(
+            seq.index, text[num_chars:end], tokens[start:],
+            None if logprobs is None else seq.cumulative_logprob, logprobs, finish,
+            request.stop_reason)
+
+    def streamed_delta(self, parent: ParentState, seq: SeqState) -> RequestOutput:
+        """streamed_output's DELTA counterpart (a token per step: never empty)."""
+        request = seq.request
+        prompt_logprobs, parent.prompt_logprobs = parent.prompt_logprobs, None
+        completion = self.delta_completion(seq)
+        return RequestOutput(
+            parent.request_id, parent.prompt, parent.prompt_token_ids, prompt_logprobs,
+            [] if completion is None else [completion], False, request.metrics,
+            request.num_cached_tokens, parent.error)
+
     def request_output(self, parent: ParentState, finished: bool | None = None) -> RequestOutput:
-        """`finished`: parent.finished, where the caller has it."""
+        """`finished`: parent.finished, where the caller has it. A DELTA request's output
+        holds the samples with something new, each with only what is new."""
         children = parent.children
         first = children[0].request
+        prompt_logprobs = parent.prompt_logprobs
+        if parent.delta:
+            completions = [c for c in map(self.delta_completion, children) if c is not None]
+            parent.prompt_logprobs = None
+        else:
+            completions = list(map(self.completion, children))
         return RequestOutput(
-            parent.request_id, parent.prompt, parent.prompt_token_ids, parent.prompt_logprobs,
-            list(map(self.completion, children)),
-            parent.finished if finished is None else finished, first.metrics,
+            parent.request_id, parent.prompt, parent.prompt_token_ids, prompt_logprobs,
+            completions, parent.finished if finished is None else finished, first.metrics,
             first.num_cached_tokens, parent.error)

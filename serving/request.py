@@ -23,6 +23,20 @@ def _require_range(name: str, value: float, low: float, high: float) -> None:
     require(low <= value <= high, name, value, f"in [{low}, {high}]")
 
 
+class RequestOutputKind(enum.IntEnum):
+    """vLLM's RequestOutputKind: what each RequestOutput of a streamed request holds.
+
+    CUMULATIVE: everything so far (each output copies the token ids: O(length) per step).
+    DELTA: what is new since the request's previous output (text held back while it may
+    begin a stop string); the prompt's logprobs come once, in the first output.
+    FINAL_ONLY: one output, when the request finishes (what `LLM.generate` uses).
+    """
+
+    CUMULATIVE = 0
+    DELTA = 1
+    FINAL_ONLY = 2
+
+
 def _require_logprobs(name: str, value: int | None) -> None:
     if value is None:
         return
@@ -54,6 +68,8 @@ class SamplingParams:
     include_stop_str_in_output: bool = False
     # the grammar the output follows (a dict in vLLM's JSON shape is converted)
     structured_outputs: StructuredOutputsParams | dict | None = None
+    # what each output of a streamed request holds (LLM.generate always gets FINAL_ONLY)
+    output_kind: RequestOutputKind = RequestOutputKind.CUMULATIVE
 
     def __post_init__(self) -> None:
         if self.stop is None:
@@ -65,6 +81,10 @@ class SamplingParams:
         self.stop_token_ids = list(self.stop_token_ids or [])
         if isinstance(self.structured_outputs, dict):
             self.structured_outputs = StructuredOutputsParams.from_dict(self.structured_outputs)
+        if isinstance(self.output_kind, str) and self.output_kind in RequestOutputKind.__members__:
+            self.output_kind = RequestOutputKind[self.output_kind]
+        elif _is_int(self.output_kind) and self.output_kind in iter(RequestOutputKind):
+            self.output_kind = RequestOutputKind(self.output_kind)
         self._validate()
 
     def _validate(self) -> None:
@@ -92,6 +112,9 @@ class SamplingParams:
                 or isinstance(self.structured_outputs, StructuredOutputsParams),
                 "structured_outputs", type(self.structured_outputs).__name__,
                 "StructuredOutputsParams, a dict or None")
+        kinds = ", ".join(RequestOutputKind.__members__)
+        require(isinstance(self.output_kind, RequestOutputKind), "output_kind",
+                self.output_kind, f"a RequestOutputKind: {kinds}")
         # EOS held back by min_tokens could leave a finished grammar no token to choose
         require(self.structured_outputs is None or self.min_tokens == 0, "min_tokens",
                 self.min_tokens, "0 with structured_outputs")

@@ -4,7 +4,7 @@ import jax.numpy as jnp
 import numpy as np
 import pytest
 
-from qwen_jax import LLM, SamplingParams
+from qwen_jax import LLM, RequestOutputKind, SamplingParams
 from qwen_jax.options import KV_CACHE_DTYPES
 from qwen_jax.params import resolve_kv_cache_dtype
 from serving.config import CacheConfig
@@ -235,3 +235,85 @@ def test_config_and_cache_accept_the_same_kv_cache_dtypes():
 def test_unknown_kv_cache_dtype_names_the_choices(tiny_ckpt):
     with pytest.raises(ValueError, match="kv_cache_dtype must be one of .*fp8_e4m3"):
         LLM(str(tiny_ckpt[0]), kv_cache_dtype="int4", precompile=False, **ENGINE_ARGS)
+
+
+def run_engine(engine, requests):
+    """Adds (request_id, prompt, params) to `engine` and steps it until they finish;
+    returns each request's outputs in order."""
+    outputs = {rid: [] for rid, _, _ in requests}
+    for rid, prompt, params in requests:
+        engine.add_request(rid, prompt, params)
+    while engine.has_unfinished_requests():
+        for out in engine.step():
+            outputs[out.request_id].append(out)
+    return outputs
+
+
+def joined_deltas(outputs, index):
+    """One sample's DELTA outputs added up, checking each holds only what is new."""
+    parts = [c for out in outputs for c in out.outputs if c.index == index]
+    assert all(c.finish_reason is None for c in parts[:-1]) and parts[-1].finish_reason
+    logprobs = None if parts[0].logprobs is None else [e for c in parts for e in c.logprobs]
+    return ("".join(c.text for c in parts), [t for c in parts for t in c.token_ids],
+            logprobs, parts[-1])
+
+
+@pytest.mark.parametrize("case", ["stop_string", "n2_logprobs", "prompt_logprobs"])
+def test_delta_outputs_add_up_to_the_cumulative_ones(tok_llm, case):
+    engine = tok_llm.llm_engine
+    tok = tok_llm.get_tokenizer()
+    prompt = ids_prompt(tok.encode("Once upon a time"))
+    if case == "stop_string":  # 2 characters of a token and 2 of the next: once the
+        # first token is out, the text ends in the stop's first half, which waits
+        free = tok_llm.generate(prompt, SamplingParams(temperature=0.0, max_tokens=24,
+                                                       ignore_eos=True))[0].outputs[0]
+        ends = np.cumsum([len(tok.decode(free.token_ids[:i + 1])) for i in range(24)])
+        stop = next(free.text[e - 2:e + 2] for e in ends[3:] if free.text[e - 2:e + 2]
+                    .isprintable() and free.text.find(free.text[e - 2:e + 2]) == e - 2)
+        kwargs = dict(temperature=0.0, max_tokens=24, stop=[stop], logprobs=0)
+    elif case == "n2_logprobs":
+        kwargs = dict(n=2, temperature=1.0, seed=7, max_tokens=12, logprobs=2)
+    else:
+        kwargs = dict(temperature=0.0, max_tokens=5, prompt_logprobs=1)
+    outs = run_engine(engine, [
+        ("cumulative", prompt, SamplingParams(**kwargs)),
+        ("delta", prompt, SamplingParams(**kwargs, output_kind=RequestOutputKind.DELTA))])
+    cumulative, delta = outs["cumulative"], outs["delta"]
+    assert len(delta) >= 3 and delta[-1].finished and not any(o.finished for o in delta[:-1])
+    for final in cumulative[-1].outputs:
+        text, token_ids, logprobs, last = joined_deltas(delta, final.index)
+        assert (text, token_ids, logprobs) == (final.text, final.token_ids, final.logprobs)
+        assert last.cumulative_logprob == final.cumulative_logprob
+        assert (last.finish_reason, last.stop_reason) == (final.finish_reason,
+                                                           final.stop_reason)
+        streamed = ""  # never text a later token takes back (a stop string's start)
+        for out in delta:
+            streamed += "".join(c.text for c in out.outputs if c.index == final.index)
+            assert final.text.startswith(streamed)
+    if case == "stop_string":  # one step's delta stopped short of the cumulative text
+        assert cumulative[-1].outputs[0].finish_reason == "stop"
+        streamed = np.cumsum([len(o.outputs[0].text) for o in delta])
+        assert any(n < len(c.outputs[0].text) for n, c in zip(streamed, cumulative))
+    if case == "prompt_logprobs":
+        assert delta[0].prompt_logprobs == cumulative[-1].prompt_logprobs
+        assert all(o.prompt_logprobs is None for o in delta[1:])
+    assert engine.kv_manager.num_free_pages == engine.kv_manager.num_total_pages
+
+
+def test_final_only_and_aborted_delta_requests(llm):
+    engine = llm.llm_engine
+    prompt = ids_prompt([5, 6, 7])
+    params = dict(temperature=0.0, max_tokens=8, ignore_eos=True)
+    outs = run_engine(engine, [
+        ("final", prompt, SamplingParams(**params, output_kind=RequestOutputKind.FINAL_ONLY)),
+        ("cumulative", prompt, SamplingParams(**params))])
+    assert len(outs["final"]) == 1 and outs["final"][0].finished
+    assert outs["final"][0].outputs == outs["cumulative"][-1].outputs
+    engine.add_request("delta", prompt, SamplingParams(**params, output_kind="DELTA"))
+    seen = [t for _ in range(3) for out in engine.step() for t in out.outputs[0].token_ids]
+    aborted = engine.abort("delta")
+    (last,) = aborted.outputs
+    assert aborted.finished and last.finish_reason == "abort"
+    assert seen + last.token_ids == outs["cumulative"][-1].outputs[0].token_ids[:len(seen)
+                                                                                + len(last.token_ids)]
+    assert engine.kv_manager.num_free_pages == engine.kv_manager.num_total_pages

@@ -2,7 +2,14 @@
 
 import pytest
 
-from serving.request import CompletionOutput, Request, RequestOutput, RequestStatus, SamplingParams
+from serving.request import (
+    CompletionOutput,
+    Request,
+    RequestOutput,
+    RequestOutputKind,
+    RequestStatus,
+    SamplingParams,
+)
 
 
 def test_sampling_params_defaults_match_vllm():
@@ -11,6 +18,13 @@ def test_sampling_params_defaults_match_vllm():
     assert (p.max_tokens, p.min_tokens, p.logprobs, p.seed) == (16, 0, None, None)
     assert p.stop == [] and p.stop_token_ids == []
     assert p.skip_special_tokens and not p.ignore_eos and not p.include_stop_str_in_output
+
+
+def test_output_kind_is_vllms_enum_and_takes_its_names_and_values():
+    assert SamplingParams().output_kind is RequestOutputKind.CUMULATIVE
+    assert [int(k) for k in RequestOutputKind] == [0, 1, 2]  # vLLM's values
+    assert SamplingParams(output_kind="DELTA").output_kind is RequestOutputKind.DELTA
+    assert SamplingParams(output_kind=2).output_kind is RequestOutputKind.FINAL_ONLY
 
 
 def test_stop_string_normalised_to_list():
@@ -34,6 +48,9 @@ def test_stop_string_normalised_to_list():
     ("logprobs", 21, "logprobs must be in [0, 20], got 21"),
     ("prompt_logprobs", -1, "prompt_logprobs must be in [0, 20], got -1"),
     ("seed", 1.5, "seed must be an int or None, got 1.5"),
+    ("output_kind", "delta", "output_kind must be a RequestOutputKind: CUMULATIVE, DELTA, "
+                             "FINAL_ONLY, got 'delta'"),
+    ("output_kind", 3, "output_kind must be a RequestOutputKind"),
 ])
 def test_sampling_params_validation_names_field_value_limit(field, value, fragment):
     with pytest.raises(ValueError) as info:
