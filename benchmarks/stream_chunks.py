@@ -31,14 +31,10 @@ class _NoEngine:
 
 
 def outputs(num_tokens: int) -> list[RequestOutput]:
-    """The cumulative outputs of one stream, a token (two characters) per step."""
-    text, ids, out = "", [], []
-    for _ in range(num_tokens):
-        text += "ab"
-        ids.append(5)
-        out.append(RequestOutput("x", None, [1] * 10, None, [CompletionOutput(0, text, list(ids))],
-                                 False, RequestMetrics(arrival_time=0.0)))
-    return out
+    """The DELTA outputs of one stream (what the server asks the engine for), a token
+    (two characters) per step."""
+    return [RequestOutput("x", None, [1] * 10, None, [CompletionOutput(0, "ab", [5])], False,
+                          RequestMetrics(arrival_time=0.0)) for _ in range(num_tokens)]
 
 
 def streamed_job(kind: str, metrics: Metrics, vocab_size: int = 1000) -> Job:

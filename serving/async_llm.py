@@ -71,8 +71,9 @@ class AsyncLLM:
     async def generate(self, prompt, sampling_params: SamplingParams | None = None,
                        request_id: str | None = None, *, priority: int = 0
                        ) -> AsyncIterator[RequestOutput]:
-        """Stream cumulative RequestOutputs until the request finishes. Leaving the loop
-        early (or cancelling the task) aborts the request and frees its pages."""
+        """Stream the request's RequestOutputs until it finishes, each as its
+        `output_kind` says (cumulative by default; the server asks for DELTA). Leaving the
+        loop early (or cancelling the task) aborts the request and frees its pages."""
         request_id = request_id or uuid.uuid4().hex
         # The stream is registered before the engine sees the request (its first output
         # must find it), so a second one must not replace it: the engine's check is too late.

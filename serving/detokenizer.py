@@ -18,6 +18,9 @@ except ImportError:  # pragma: no cover - older tokenizers: two decode calls per
 _REPLACEMENT_CHAR = "\ufffd"
 # Prompt tokens decoded ahead of the output so the first output token is detokenized in context.
 _PROMPT_CONTEXT_TOKENS = 5
+# New text is kept as pieces, joined onto the text every this many: appending to a long
+# str copies all of it, which per token made a long reply's text cost O(length) a step.
+_JOIN_EVERY = 64
 
 
 class IncrementalDetokenizer:
@@ -42,7 +45,12 @@ class IncrementalDetokenizer:
         # window = token ids from the prefix offset on; window[:read] is already in the text.
         self._window = list(prompt_token_ids[-_PROMPT_CONTEXT_TOKENS:])
         self._read = len(self._window)
-        self.text = ""  # all output text so far, cut at the stop string once one matched
+        self._text = ""  # the text before `_pieces`; see the `text` property
+        self._pieces: list[str] = []
+        self.num_chars = 0  # len(text)
+        # the text's last characters that a stop string could start in (with stops only)
+        self._keep = max(map(len, self._stops), default=1) - 1
+        self._tail = ""
         self._num_emitted = 0
         self.stop_reason: str | None = None
         self._stream = None
@@ -59,6 +67,56 @@ class IncrementalDetokenizer:
                 self._backend = backend
             except TypeError:  # a release without the `ids` (prompt context) argument
                 self._stream = None
+
+    @property
+    def text(self) -> str:
+        """All output text so far, cut at the stop string once one matched."""
+        if self._pieces:
+            self._text += "".join(self._pieces)
+            self._pieces.clear()
+        return self._text
+
+    @text.setter
+    def text(self, value: str) -> None:
+        self._text, self.num_chars = value, len(value)
+        self._pieces.clear()
+        self._tail = value[-self._keep:] if self._keep else ""
+
+    def text_since(self, start: int) -> str:
+        """text[start:], from the newest pieces: a tail costs its own length, not the
+        text's (what stop checks and DELTA outputs read per token)."""
+        size = self.num_chars - start
+        if size <= 0:
+            return ""
+        pieces = self._pieces
+        if pieces and size <= len(pieces[-1]):  # within the newest piece: mostly
+            return pieces[-1][len(pieces[-1]) - size:]
+        parts, need = [], size
+        for piece in reversed(pieces):
+            parts.append(piece)
+            need -= len(piece)
+            if need <= 0:
+                break
+        else:
+            parts.append(self._text[len(self._text) - need:])
+        tail = "".join(reversed(parts))
+        return tail[len(tail) - size:]
+
+    def _extend(self, chunk: str) -> None:
+        """Appends `chunk` to the text, then cuts the text at a stop string it completes."""
+        num_chars = self.num_chars
+        pieces = self._pieces
+        pieces.append(chunk)
+        self.num_chars = num_chars + len(chunk)
+        if len(pieces) >= _JOIN_EVERY:
+            self._text += "".join(pieces)
+            pieces.clear()
+        if self._stops:
+            window = self._tail + chunk  # text[start:], where a new stop string could start
+            start = self.num_chars - len(window)
+            keep = self._keep
+            self._tail = window[-keep:] if keep else ""
+            self._check_stop(window, start)
 
     @property
     def finished_by_stop(self) -> bool:
@@ -98,10 +156,7 @@ class IncrementalDetokenizer:
                 del self._window[:self._read]
                 self._read = len(self._window)
         if chunk:
-            num_chars = len(self.text)
-            self.text += chunk
-            if self._stops:
-                self._check_stop(num_chars)
+            self._extend(chunk)
 
     def flush(self) -> str:
         """Call once the request ends for any reason but a stop string: returns the held-back tail
@@ -110,15 +165,11 @@ class IncrementalDetokenizer:
             tail = "" if self.finished_by_stop else self._undecoded.decode("utf-8", "replace")
             self._undecoded = b""
             if tail:  # an incomplete character, as U+FFFD
-                num_chars = len(self.text)
-                self.text += tail
-                self._check_stop(num_chars)
+                self._extend(tail)
         elif not self.finished_by_stop and self._read < len(self._window):
-            num_chars = len(self.text)
             prefix_text = self._decode(self._window[:self._read])
-            self.text += self._decode(self._window)[len(prefix_text):]
+            self._extend(self._decode(self._window)[len(prefix_text):])
             self._window, self._read = [], 0
-            self._check_stop(num_chars)
         self._stream = None  # the mirror is reset; tokens after a flush go the Python way
         return self._take_delta(final=True)
 
@@ -136,34 +187,37 @@ class IncrementalDetokenizer:
         self._read = len(self._window)
         return new_text[len(prefix_text):]
 
-    def _check_stop(self, num_old_chars: int) -> None:
-        """Finds the earliest stop string ending in the new text and cuts the text there."""
-        if not self._stops or len(self.text) == num_old_chars:
-            return
-        start = max(0, num_old_chars - max(map(len, self._stops)) + 1)
-        found = [(i, s) for s in self._stops if (i := self.text.find(s, start)) >= 0]
+    def _check_stop(self, window: str, start: int) -> None:
+        """Finds the earliest stop string in `window` (the text from `start` on) and cuts
+        the text there."""
+        found = [(i, s) for s in self._stops if (i := window.find(s)) >= 0]
         if not found:
             return
         index, stop = min(found, key=lambda hit: hit[0])
         self.stop_reason = stop
-        self.text = self.text[:index + len(stop) if self._include_stop else index]
+        self.text = self.text[:start + index + (len(stop) if self._include_stop else 0)]
 
     def held_back(self) -> int:
         """Length of the longest text suffix that could begin a stop string (text a
-        delta keeps back until a later token settles it)."""
-        if self._include_stop:  # a stop string would stay in the output, so nothing to hide
+        delta keeps back until a later token settles it). Runs per token of a DELTA
+        stream: a find of each stop's first character in the text's tail, mostly."""
+        if self._include_stop or not self._stops:  # a stop string would stay, or none
             return 0
-        longest = 0
+        text, longest = self._tail, 0  # a suffix that begins a stop is shorter than it
+        size = len(text)
         for stop in self._stops:
-            for k in range(min(len(stop) - 1, len(self.text)), longest, -1):
-                if self.text.endswith(stop[:k]):
-                    longest = k
+            # a suffix that begins `stop` starts with its first character, within its reach
+            i = text.find(stop[0], max(size - len(stop) + 1, 0))
+            while i != -1 and size - i > longest:
+                if stop.startswith(text[i:]):
+                    longest = size - i
                     break
+                i = text.find(stop[0], i + 1)
         return longest
 
     def _take_delta(self, *, final: bool) -> str:
-        end = len(self.text) if final else len(self.text) - self.held_back()
+        end = self.num_chars if final else self.num_chars - self.held_back()
         end = max(end, self._num_emitted)
-        delta = self.text[self._num_emitted:end]
+        delta = self.text_since(self._num_emitted)[:end - self._num_emitted]
         self._num_emitted = end
         return delta

@@ -265,8 +265,9 @@ class Metrics:
 
 
 class RequestTracker:
-    """Follows one request's cumulative outputs: token counts, ITL, and at finish the
-    latency histograms, token-count and parameter histograms and finish reasons."""
+    """Follows one request's DELTA outputs (each holds what is new): token counts, ITL,
+    each sample's finish reason, and at finish the latency, token-count and parameter
+    histograms."""
 
     def __init__(self, metrics: Metrics, params: SamplingParams | None = None):
         self.m = metrics
@@ -279,9 +280,13 @@ class RequestTracker:
     def observe(self, output: RequestOutput) -> None:
         now = time.monotonic()
         new = 0
+        num_tokens = self.num_tokens
         for c in output.outputs:
-            new += len(c.token_ids) - self.num_tokens.get(c.index, 0)
-            self.num_tokens[c.index] = len(c.token_ids)
+            n = len(c.token_ids)
+            new += n
+            num_tokens[c.index] = num_tokens.get(c.index, 0) + n
+            if c.finish_reason is not None:
+                self.m.request_success.labels(self.label, c.finish_reason).inc()
         if new and not self.prompt_counted:
             self.prompt_counted = True
             self.m.prompt_tokens.labels(self.label).inc(len(output.prompt_token_ids))
@@ -299,9 +304,7 @@ class RequestTracker:
 
     def _finish(self, output: RequestOutput, now: float) -> None:
         m, label = self.m, self.label
-        for c in output.outputs:
-            m.request_success.labels(label, c.finish_reason or "abort").inc()
-        lengths = [len(c.token_ids) for c in output.outputs] or [0]
+        lengths = list(self.num_tokens.values()) or [0]
         m.request_prompt_tokens.labels(label).observe(len(output.prompt_token_ids))
         m.request_generation_tokens.labels(label).observe(sum(lengths))
         m.request_max_generation_tokens.labels(label).observe(max(lengths))

@@ -104,9 +104,41 @@ def chat_logprobs(token_ids: list[int], entries: list[dict], k: int) -> dict:
 
 
 @dataclasses.dataclass(eq=False)
+class Choice:
+    """One choice of a call: its DELTA outputs added up."""
+
+    index: int  # its sample's index among its prompt's n
+    texts: list[str] = dataclasses.field(default_factory=list)
+    token_ids: list[int] = dataclasses.field(default_factory=list)
+    num_chars: int = 0
+    logprobs: list | None = None
+    cumulative_logprob: float | None = None
+    finish_reason: str | None = None
+    stop_reason: int | str | None = None
+
+    def add(self, c: CompletionOutput) -> None:
+        self.token_ids += c.token_ids
+        if c.text:
+            self.texts.append(c.text)
+            self.num_chars += len(c.text)
+        if c.logprobs is not None:
+            if self.logprobs is None:
+                self.logprobs = []
+            self.logprobs += c.logprobs
+        self.cumulative_logprob = c.cumulative_logprob
+        self.finish_reason, self.stop_reason = c.finish_reason, c.stop_reason
+
+    def completion(self) -> CompletionOutput:
+        return CompletionOutput(self.index, "".join(self.texts), self.token_ids,
+                                self.cumulative_logprob, self.logprobs, self.finish_reason,
+                                self.stop_reason)
+
+
+@dataclasses.dataclass(eq=False)
 class Job:
-    """One /v1/completions or /v1/chat/completions call: its prompts, the latest output of
-    each, and what of each choice has been streamed."""
+    """One /v1/completions or /v1/chat/completions call: its prompts, each choice's outputs
+    added up (the engine streams DELTA outputs: what is new since the one before), and
+    each chat choice's reply parser."""
 
     kind: str  # "cmpl" or "chatcmpl"
     request_id: str
@@ -122,53 +154,59 @@ class Job:
         self.n = self.req.sampling["n"]
         self.latest: list[RequestOutput | None] = [None] * len(self.prompts)
         self.trackers = [self.metrics.tracker(p) for p in self.params]
-        self.deltas: dict[int, proto.DeltaTracker] = {}
+        self.choices: dict[int, Choice] = {}
         self.streams: dict[int, ReplyStream] = {}
 
     @property
     def chat(self) -> bool:
         return self.kind == "chatcmpl"
 
-    def add(self, index: int, output: RequestOutput) -> None:
-        self.trackers[index].observe(output)
-        self.latest[index] = output
+    def add(self, p: int, output: RequestOutput) -> list[tuple[int, CompletionOutput, int]]:
+        """Adds prompt p's DELTA output to its choices. Returns each part as (choice index,
+        the part, the number of characters of the choice before it)."""
+        self.trackers[p].observe(output)
+        self.latest[p] = output
+        parts = []
+        for c in output.outputs:
+            index = p * self.n + c.index
+            choice = self.choices.get(index)
+            if choice is None:
+                choice = self.choices[index] = Choice(c.index)
+            parts.append((index, c, choice.num_chars))
+            choice.add(c)
+        return parts
 
     # ---- whole responses ---------------------------------------------------------------
-    def _completions(self):
-        for p, output in enumerate(self.latest):
-            for c in output.outputs if output is not None else ():
-                yield p * self.n + c.index, c
-
     def usage(self) -> dict:
         usage = proto.usage(sum(map(len, self.prompts)),
-                            sum(len(c.token_ids) for _, c in self._completions()))
+                            sum(len(c.token_ids) for c in self.choices.values()))
         cached = sum(o.num_cached_tokens or 0 for o in self.latest if o is not None)
         return {**usage, "prompt_tokens_details": {"cached_tokens": cached}}
 
     def response(self) -> dict:
-        choices = [self._choice(i, c, c.text, 0, len(c.token_ids), c.finish_reason)
-                   for i, c in sorted(self._completions(), key=lambda item: item[0])]
+        choices = []
+        for i in sorted(self.choices):
+            c = self.choices[i].completion()
+            choices.append(self._choice(i, c, c.text, c.finish_reason))
         return {"id": self.request_id,
                 "object": "chat.completion" if self.chat else "text_completion",
                 "created": self.created, "model": self.model, "choices": choices,
                 "usage": self.usage()}
 
     def log_fields(self) -> dict:
-        reasons = sorted({str(c.finish_reason) for _, c in self._completions()})
+        reasons = sorted({str(c.finish_reason) for c in self.choices.values()})
         return {"completion_tokens": self.usage()["completion_tokens"],
                 "finish": ",".join(reasons)}
 
-    def _logprobs(self, c: CompletionOutput, start: int, stop: int, text_offset: int):
+    def _logprobs(self, c: CompletionOutput, text_offset: int):
         if self.req.logprobs is None or c.logprobs is None:
             return None
-        ids, entries = c.token_ids[start:stop], c.logprobs[start:stop]
         if self.chat:
-            return chat_logprobs(ids, entries, self.req.logprobs)
-        return completion_logprobs(ids, entries, self.req.logprobs, text_offset)
+            return chat_logprobs(c.token_ids, c.logprobs, self.req.logprobs)
+        return completion_logprobs(c.token_ids, c.logprobs, self.req.logprobs, text_offset)
 
-    def _choice(self, index: int, c: CompletionOutput, text: str, start: int, stop: int,
-                finish_reason: str | None, *, delta: dict | None = None,
-                text_offset: int = 0) -> dict:
+    def _choice(self, index: int, c: CompletionOutput, text: str, finish_reason: str | None,
+                *, delta: dict | None = None, text_offset: int = 0) -> dict:
         choice: dict[str, Any] = {"index": index}
         if delta is not None:
             choice["delta"] = delta
@@ -176,7 +214,7 @@ class Job:
             choice["message"], finish_reason = self.reply.message(text, finish_reason)
         else:
             choice["text"] = text
-        choice["logprobs"] = self._logprobs(c, start, stop, text_offset)
+        choice["logprobs"] = self._logprobs(c, text_offset)
         choice["finish_reason"] = finish_reason
         choice["stop_reason"] = c.stop_reason if finish_reason else None
         return choice
@@ -193,27 +231,17 @@ class Job:
         return chunk
 
     def chunks(self, p: int, output: RequestOutput) -> list[dict]:
-        """SSE payloads for what `output` adds to prompt p's choices."""
-        self.add(p, output)
-        params = self.params[p]
+        """SSE payloads for what `output` (DELTA) adds to prompt p's choices."""
         out = []
-        for c in output.outputs:
-            index = p * self.n + c.index
-            tracker = self.deltas.get(index)
-            if tracker is None:
-                tracker = self.deltas[index] = proto.DeltaTracker(
-                    list(params.stop or ()), params.include_stop_str_in_output)
-            num_chars, first = tracker.num_chars, tracker.num_tokens == 0 and not tracker.done
-            advanced = tracker.advance(c)
-            if advanced is None:
-                continue
-            text, start, stop = advanced
-            finish = c.finish_reason if tracker.done else None
-            delta = self._delta(index, text, first, tracker.done) if self.chat else None
+        for index, c, num_chars in self.add(p, output):
+            finish = c.finish_reason
             if self.chat:
+                delta = self._delta(index, c.text, index not in self.streams, finish is not None)
                 finish = self.streams[index].finish_reason(finish)
-            out.append(self._chunk([self._choice(index, c, text, start, stop, finish,
-                                                 delta=delta, text_offset=num_chars)]))
+                out.append(self._chunk([self._choice(index, c, c.text, finish, delta=delta)]))
+            else:
+                out.append(self._chunk([self._choice(index, c, c.text, finish,
+                                                     text_offset=num_chars)]))
         return out
 
     def _delta(self, index: int, text: str, first: bool, finished: bool) -> dict:

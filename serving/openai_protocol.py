@@ -22,7 +22,7 @@ from serving.openai_structured import (
     read_tools,
     reject_unsupported,
 )
-from serving.request import MAX_LOGPROBS, MAX_N, CompletionOutput, SamplingParams
+from serving.request import MAX_LOGPROBS, MAX_N, RequestOutputKind, SamplingParams
 from serving.structured_params import StructuredOutputsParams
 
 INT32_MAX = 2**31 - 1
@@ -319,8 +319,11 @@ def sampling_params(req: ParsedRequest, num_prompt_tokens: int, max_model_len: i
                                 f"{max_model_len}; at most {room}")
     max_tokens = req.max_tokens or min(req.default_max_tokens or room, room)
     try:
+        # DELTA: each output holds what is new (see Job), so a streamed output's cost
+        # does not grow with its length
         return SamplingParams(**req.sampling, max_tokens=max_tokens, logprobs=req.logprobs,
-                              structured_outputs=req.structured)
+                              structured_outputs=req.structured,
+                              output_kind=RequestOutputKind.DELTA)
     except ValueError as exc:
         raise bad(str(exc).split()[0], str(exc)) from None
 
@@ -329,41 +332,3 @@ def sampling_params(req: ParsedRequest, num_prompt_tokens: int, max_model_len: i
 def usage(num_prompt_tokens: int, num_completion_tokens: int) -> dict:
     return {"prompt_tokens": num_prompt_tokens, "completion_tokens": num_completion_tokens,
             "total_tokens": num_prompt_tokens + num_completion_tokens}
-
-
-class DeltaTracker:
-    """What of one choice's cumulative output has not been streamed yet.
-
-    The engine's cumulative text may end in a prefix of a stop string that a later token
-    cuts off again, so that tail is held back until the choice finishes.
-    """
-
-    def __init__(self, stops: list[str], include_stop: bool):
-        self.stops = [] if include_stop else stops
-        self.num_chars = 0
-        self.num_tokens = 0
-        self.done = False
-
-    def _stable_len(self, text: str, finished: bool) -> int:
-        if finished:
-            return len(text)
-        held = 0
-        for stop in self.stops:
-            for k in range(min(len(stop) - 1, len(text)), held, -1):
-                if text.endswith(stop[:k]):
-                    held = k
-                    break
-        return len(text) - held
-
-    def advance(self, completion: CompletionOutput) -> tuple[str, int, int] | None:
-        """(new text, first new token index, end token index), or None if nothing new."""
-        if self.done:
-            return None
-        finished = completion.finish_reason is not None
-        end = max(self._stable_len(completion.text, finished), self.num_chars)
-        text = completion.text[self.num_chars:end]
-        start, stop = self.num_tokens, len(completion.token_ids)
-        if not text and start == stop and not finished:
-            return None
-        self.num_chars, self.num_tokens, self.done = end, stop, finished
-        return text, start, stop

@@ -42,7 +42,6 @@ class SeqState:
     detokenizer: IncrementalDetokenizer | None
     logprobs: list | None = None
     cumulative_logprob: float = 0.0
-    text: str = ""
     guide: Guide | None = None  # the grammar matcher of a constrained sequence
     uses_penalties: bool = False  # its sampling params penalise repeats (set on creation)
     sampling_entry: SamplingEntry | None = None  # its sampling arrays' row, kept by the engine
@@ -58,6 +57,12 @@ class SeqState:
     @property
     def params(self):
         return self.request.sampling_params
+
+    @property
+    def text(self) -> str:
+        """Its output text so far (joined when read: CUMULATIVE and final outputs)."""
+        detokenizer = self.detokenizer
+        return "" if detokenizer is None else detokenizer.text
 
     @property
     def needs_host_tokens(self) -> bool:
@@ -105,7 +110,6 @@ class OutputProcessor:
         detokenizer = seq.detokenizer
         if detokenizer is not None:
             detokenizer.append(token)
-            seq.text = detokenizer.text
             if detokenizer.stop_reason is not None:  # a stop string ended the text
                 request.stop_reason = detokenizer.stop_reason
                 status = RequestStatus.FINISHED_STOPPED
@@ -127,7 +131,6 @@ class OutputProcessor:
         """Release text held back for a possible stop string once the sequence ends."""
         if seq.detokenizer is not None:
             seq.detokenizer.flush()
-            seq.text = seq.detokenizer.text
 
     def _record_logprobs(self, seq: SeqState, token: int, logprobs: TokenLogprobs | None,
                          row: int) -> None:
@@ -183,39 +186,58 @@ class OutputProcessor:
             False, request.metrics, request.num_cached_tokens, parent.error)
 
     @staticmethod
-    def delta_completion(seq: SeqState) -> CompletionOutput | None:
+    def _new_text(seq: SeqState, final: bool) -> str:
+        """The text `seq` adds to its previous DELTA output: all of it once `final`, else
+        but a tail that may begin a stop string."""
+        detokenizer = seq.detokenizer
+        if detokenizer is None:
+            return ""
+        num_chars, end = seq.num_sent_chars, detokenizer.num_chars
+        if not final:
+            end -= detokenizer.held_back()
+        if end <= num_chars:
+            return ""
+        seq.num_sent_chars = end
+        return detokenizer.text_since(num_chars)[:end - num_chars]
+
+    def delta_completion(self, seq: SeqState) -> CompletionOutput | None:
         """What `seq` adds to its previous DELTA output: its new token ids and their
-        logprobs, and its new text but a tail that may begin a stop string while it runs;
-        None when it has nothing new. Costs what is new, not the sequence's length."""
+        logprobs, its new text (see _new_text) and, once, its finish reason; None when it
+        has nothing new. Costs what is new, not the sequence's length."""
         request = seq.request
         tokens = request.output_token_ids
-        start, num_chars = seq.num_sent_tokens, seq.num_sent_chars
+        start = seq.num_sent_tokens
         finish = FINISH_REASONS.get(request.status)
-        text = seq.text
-        end = len(text)
-        if finish is None and seq.detokenizer is not None:
-            end = max(end - seq.detokenizer.held_back(), num_chars)
-        if start == len(tokens) and end == num_chars and (finish is None or seq.sent_final):
+        text = self._new_text(seq, finish is not None)
+        if start == len(tokens) and not text and (finish is None or seq.sent_final):
             return None
-        seq.num_sent_tokens, seq.num_sent_chars = len(tokens), end
+        seq.num_sent_tokens = len(tokens)
         seq.sent_final = finish is not None
         logprobs = seq.logprobs
         if logprobs is not None:
             seq.logprobs = []  # the engine keeps no entry a DELTA output has handed over
         return CompletionOutput(
-            seq.index, text[num_chars:end], tokens[start:],
+            seq.index, text, tokens[start:],
             None if logprobs is None else seq.cumulative_logprob, logprobs, finish,
             request.stop_reason)
 
     def streamed_delta(self, parent: ParentState, seq: SeqState) -> RequestOutput:
-        """streamed_output's DELTA counterpart (a token per step: never empty)."""
+        """streamed_output's DELTA counterpart: delta_completion of a sequence that goes
+        on and has a new token, in one call."""
         request = seq.request
+        tokens = request.output_token_ids
+        start = seq.num_sent_tokens
+        seq.num_sent_tokens = len(tokens)
+        logprobs = seq.logprobs
+        if logprobs is not None:
+            seq.logprobs = []
         prompt_logprobs, parent.prompt_logprobs = parent.prompt_logprobs, None
-        completion = self.delta_completion(seq)
         return RequestOutput(
             parent.request_id, parent.prompt, parent.prompt_token_ids, prompt_logprobs,
-            [] if completion is None else [completion], False, request.metrics,
-            request.num_cached_tokens, parent.error)
+            [CompletionOutput(seq.index, self._new_text(seq, False), tokens[start:],
+                              None if logprobs is None else seq.cumulative_logprob,
+                              logprobs, None, request.stop_reason)],
+            False, request.metrics, request.num_cached_tokens, parent.error)
 
     def request_output(self, parent: ParentState, finished: bool | None = None) -> RequestOutput:
         """`finished`: parent.finished, where the caller has it. A DELTA request's output

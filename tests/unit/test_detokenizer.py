@@ -207,3 +207,29 @@ def test_random_streams_with_stops_match_cut_full_decode(tok, seed):
     index, stop = min(hits) if hits else (len(full), None)
     assert emitted == detok.text == full[:index]
     assert detok.stop_reason == stop
+
+
+@pytest.mark.parametrize("seed", range(3))
+def test_long_text_kept_in_pieces_reads_and_cuts_as_one_string(tok, seed):
+    """Hundreds of tokens, the text never read meanwhile (as a DELTA stream): its pieces
+    are joined every 64, and tails, held-back text and a late stop string come out as if
+    the text were one string."""
+    rng = random.Random(seed)
+    ids = tok.encode(random_text(rng, 400))
+    full = tok.decode(ids)
+    start = len(full) * 3 // 4  # a stop string that first occurs there
+    stop = next(full[start:start + n] for n in range(3, 40)
+                if full.find(full[start:start + n]) == start)
+    assert len(ids) > 200
+    detok = IncrementalDetokenizer(tok, [], stop=["xyz-never", stop])
+    checker = IncrementalDetokenizer(tok, [], stop=["xyz-never", stop])
+    for i in ids:
+        detok.append(i)
+        checker.append(i)
+        checker.text  # joined every token: one string throughout
+        assert detok.num_chars == checker.num_chars
+        assert detok.held_back() == checker.held_back()
+        k = rng.randrange(detok.num_chars + 1)
+        assert detok.text_since(k) == checker.text[k:]
+    assert detok.text == checker.text == full[:full.index(stop)]
+    assert detok.stop_reason == stop
