@@ -100,9 +100,10 @@ class _FakePending:
 
 
 def decoding_engine(model, num_seqs: int, steps: int, async_scheduling: bool, cache_dir,
-                    stream: bool = True):
+                    stream: bool = True, output_kind: str = "CUMULATIVE"):
     """An engine with `num_seqs` sequences all decoding and a fake device (set later);
-    `stream`: each request gets an output every step, else only its final one."""
+    `stream`: each request gets an output every step (holding what `output_kind` says),
+    else only its final one."""
     from qwen_jax import LLM, SamplingParams
     rng = np.random.default_rng(num_seqs)
     prompt_lens = rng.integers(32, 257, size=num_seqs)
@@ -116,7 +117,8 @@ def decoding_engine(model, num_seqs: int, steps: int, async_scheduling: bool, ca
     engine = llm.llm_engine
     engine.runner.dispatch = FakeDevice(0.0).dispatch
     vocab = engine.model_config.vocab_size
-    params = SamplingParams(temperature=0.0, max_tokens=max_tokens, ignore_eos=True)
+    kind = {} if output_kind == "CUMULATIVE" else {"output_kind": output_kind}  # older trees
+    params = SamplingParams(temperature=0.0, max_tokens=max_tokens, ignore_eos=True, **kind)
     for i, k in enumerate(prompt_lens):
         engine.add_request(str(i), {"prompt_token_ids": rng.integers(2, vocab, int(k)).tolist()},
                            params, stream=stream)
@@ -198,7 +200,7 @@ def host_cost(engine, steps: int) -> dict:
 def async_engine_thread(model, num_seqs: int, steps: int, cache_dir,
                         chunks: bool = False, device_ms: float = 0.0) -> dict:
     """What the server's engine thread spends per step: AsyncLLM around an overlapped engine
-    of `num_seqs` streamed decodes (instant fake device), each request's outputs read by a
+    of `num_seqs` streamed DELTA decodes (instant fake device), each request's outputs read by a
     coroutine on an event loop in another thread, as the server's handlers read them
     (`chunks`: each also made into the server's SSE chunk, as a streamed chat completion).
     Median ms from one `engine.step()` start to the next (the step, the stats, handing
@@ -208,7 +210,8 @@ def async_engine_thread(model, num_seqs: int, steps: int, cache_dir,
     import threading
 
     from serving.async_llm import AsyncLLM
-    engine = decoding_engine(model, num_seqs, steps, True, cache_dir, stream=True)
+    engine = decoding_engine(model, num_seqs, steps, True, cache_dir, stream=True,
+                             output_kind="DELTA")  # what the server asks for
     engine.runner.dispatch = FakeDevice(device_ms / 1e3).dispatch
     loop = asyncio.new_event_loop()
     threading.Thread(target=loop.run_forever, daemon=True).start()

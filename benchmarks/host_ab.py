@@ -13,6 +13,13 @@ is this checkout's for both sides; only `serving` comes from each checkout.
     PYTHONPATH=. python benchmarks/host_ab.py --before /tmp/before --seqs 256
     PYTHONPATH=. python benchmarks/host_ab.py --before /tmp/before --seqs 256 --serial
     PYTHONPATH=. python benchmarks/host_ab.py --before /tmp/before --seqs 256 --final-only
+
+`--output-kind` sets what the streamed requests' outputs hold on both sides (a checkout
+from before `SamplingParams.output_kind` takes only CUMULATIVE); `--before-output-kind`
+overrides it on the before side, so `--before .` compares two kinds on one checkout:
+
+    PYTHONPATH=. python benchmarks/host_ab.py --before . --before-output-kind CUMULATIVE \
+        --output-kind DELTA
 """
 
 from __future__ import annotations
@@ -28,6 +35,7 @@ import time
 from pathlib import Path
 
 HERE = Path(__file__).resolve().parent
+KINDS = ("CUMULATIVE", "DELTA")
 
 
 def parse_args(argv=None):
@@ -38,6 +46,10 @@ def parse_args(argv=None):
     p.add_argument("--serial", action="store_true", help="the serial loop (default overlapped)")
     p.add_argument("--final-only", action="store_true",
                    help="requests return only their final output (default: a stream)")
+    p.add_argument("--output-kind", default="CUMULATIVE", choices=KINDS,
+                   help="what each streamed output holds (SamplingParams.output_kind)")
+    p.add_argument("--before-output-kind", default=None, choices=KINDS,
+                   help="the before side's --output-kind (default: the same)")
     p.add_argument("--rounds", type=int, default=60)
     p.add_argument("--steps-per-turn", type=int, default=5)
     p.add_argument("--worker", action="store_true", help=argparse.SUPPRESS)
@@ -52,7 +64,7 @@ def worker(args) -> None:
     spec.loader.exec_module(bench)
     steps = args.rounds * args.steps_per_turn
     engine = bench.decoding_engine(None, args.seqs, steps // 3 + 8, not args.serial, "default",
-                                   stream=not args.final_only)
+                                   stream=not args.final_only, output_kind=args.output_kind)
     engine.runner.dispatch = bench.FakeDevice(0.0).dispatch
     for _ in range(5):
         engine.step()
@@ -82,8 +94,10 @@ def main(argv=None) -> dict:
                "--steps-per-turn", str(args.steps_per_turn)]
     command += ["--serial"] * args.serial + ["--final-only"] * args.final_only
     workers = {}
+    kinds = {"before": args.before_output_kind or args.output_kind, "after": args.output_kind}
     for name, root in sides.items():  # one at a time: start-up is not measured
-        workers[name] = subprocess.Popen(command, cwd=root, env=env, text=True,
+        workers[name] = subprocess.Popen(command + ["--output-kind", kinds[name]], cwd=root,
+                                         env=env, text=True,
                                          stdin=subprocess.PIPE, stdout=subprocess.PIPE)
         if workers[name].stdout.readline().strip() != "ready":
             raise RuntimeError(f"the {name} worker ({root}) did not start")
