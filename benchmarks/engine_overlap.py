@@ -55,6 +55,9 @@ def parse_args(argv=None):
     p.add_argument("--compilation-cache-dir", default="default")
     p.add_argument("--skip-real", action="store_true")
     p.add_argument("--skip-engine", action="store_true", help="only the vocabulary part")
+    p.add_argument("--skip-vocab", action="store_true", help="no vocabulary part")
+    p.add_argument("--stream-interval", type=int, default=1,
+                   help="the engine option for the AsyncLLM figures (the server's way)")
     p.add_argument("--host-only", action="store_true",
                    help="only the host cost per step (no vocabulary part, fake device or "
                         "real model): what to run on two checkouts for before/after")
@@ -100,10 +103,11 @@ class _FakePending:
 
 
 def decoding_engine(model, num_seqs: int, steps: int, async_scheduling: bool, cache_dir,
-                    stream: bool = True, output_kind: str = "CUMULATIVE"):
+                    stream: bool = True, output_kind: str = "CUMULATIVE",
+                    stream_interval: int = 1):
     """An engine with `num_seqs` sequences all decoding and a fake device (set later);
-    `stream`: each request gets an output every step (holding what `output_kind` says),
-    else only its final one."""
+    `stream`: each request gets an output every step (every `stream_interval` tokens;
+    holding what `output_kind` says), else only its final one."""
     from qwen_jax import LLM, SamplingParams
     rng = np.random.default_rng(num_seqs)
     prompt_lens = rng.integers(32, 257, size=num_seqs)
@@ -113,7 +117,8 @@ def decoding_engine(model, num_seqs: int, steps: int, async_scheduling: bool, ca
     llm = LLM(model=model, max_num_seqs=max_num_seqs, max_num_batched_tokens=8192,
               max_model_len=1024, num_gpu_blocks_override=pages + 16, precompile=False,
               show_progress=False, compilation_cache_dir=cache_dir,
-              async_scheduling=async_scheduling)
+              async_scheduling=async_scheduling,
+              **({} if stream_interval == 1 else {"stream_interval": stream_interval}))
     engine = llm.llm_engine
     engine.runner.dispatch = FakeDevice(0.0).dispatch
     vocab = engine.model_config.vocab_size
@@ -198,20 +203,23 @@ def host_cost(engine, steps: int) -> dict:
 
 
 def async_engine_thread(model, num_seqs: int, steps: int, cache_dir,
-                        chunks: bool = False, device_ms: float = 0.0) -> dict:
+                        chunks: bool = False, device_ms: float = 0.0,
+                        stream_interval: int = 1) -> dict:
     """What the server's engine thread spends per step: AsyncLLM around an overlapped engine
     of `num_seqs` streamed DELTA decodes (instant fake device), each request's outputs read by a
     coroutine on an event loop in another thread, as the server's handlers read them
     (`chunks`: each also made into the server's SSE chunk, as a streamed chat completion).
     Median ms from one `engine.step()` start to the next (the step, the stats, handing
     the outputs to the event loop, the listeners; and whatever the loop thread holds the
-    GIL for meanwhile), and the calibration loop timed on a third thread afterwards."""
+    GIL for meanwhile), and the calibration loop timed on a third thread afterwards.
+    `stream_interval`: the engine option, an output every that many tokens."""
     import asyncio
     import threading
 
     from serving.async_llm import AsyncLLM
     engine = decoding_engine(model, num_seqs, steps, True, cache_dir, stream=True,
-                             output_kind="DELTA")  # what the server asks for
+                             output_kind="DELTA",  # what the server asks for
+                             stream_interval=stream_interval)
     engine.runner.dispatch = FakeDevice(device_ms / 1e3).dispatch
     loop = asyncio.new_event_loop()
     threading.Thread(target=loop.run_forever, daemon=True).start()
@@ -280,10 +288,12 @@ def fake_device_runs(args) -> dict:
         for mode, engine in engines.items():
             row[mode] = host_cost(engine, args.steps)
         if not args.final_only:
-            row["async_llm_thread"] = async_engine_thread(args.model, n, args.steps,
-                                                          args.compilation_cache_dir)
+            row["async_llm_thread"] = async_engine_thread(
+                args.model, n, args.steps, args.compilation_cache_dir,
+                stream_interval=args.stream_interval)
             row["async_llm_thread_sse_chunks"] = async_engine_thread(
-                args.model, n, args.steps, args.compilation_cache_dir, chunks=True)
+                args.model, n, args.steps, args.compilation_cache_dir, chunks=True,
+                stream_interval=args.stream_interval)
         out["host_ms_per_step"][str(n)] = row
         for d in ([] if args.host_only else args.device_ms):
             cell: dict = {}
@@ -295,7 +305,7 @@ def fake_device_runs(args) -> dict:
             if not args.final_only:  # the server's way: AsyncLLM, a chat SSE chunk per output
                 served = async_engine_thread(args.model, n, args.steps,
                                              args.compilation_cache_dir, chunks=True,
-                                             device_ms=d)
+                                             device_ms=d, stream_interval=args.stream_interval)
                 cell["async_llm_sse_chunks"] = {"wall_ms": served["ms"],
                                                 "efficiency": round(d / served["ms"], 3)}
             out["fake_device"].setdefault(f"{d:g}ms", {})[str(n)] = cell
@@ -433,7 +443,7 @@ def _load_sampler(path: str):
 def main(argv=None) -> dict:
     args = parse_args(argv)
     report: dict = {"args": vars(args)}
-    if not args.host_only:
+    if not (args.host_only or args.skip_vocab):
         report["vocab_work"] = vocab_work(args)
         print(json.dumps(report["vocab_work"]), file=sys.stderr, flush=True)
     if args.skip_engine:

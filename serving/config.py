@@ -80,6 +80,9 @@ class SchedulerConfig:
     # Overlap step N+1's scheduling and dispatch with step N's device time and output
     # processing (serving/engine.py); False: every step runs serially.
     async_scheduling: bool = True
+    # A streamed request gets an output once it has this many new tokens (and for its
+    # first token, and when it finishes): vLLM's and SGLang's option; 1 streams every token.
+    stream_interval: int = 1
 
     def __post_init__(self) -> None:
         require(self.max_num_seqs >= 1, "max_num_seqs", self.max_num_seqs, ">= 1")
@@ -92,6 +95,8 @@ class SchedulerConfig:
         self._validate_policy_options()
         require(self.max_waiting is None or self.max_waiting >= 1, "max_waiting",
                 self.max_waiting, ">= 1 or None")
+        require(isinstance(self.stream_interval, int) and self.stream_interval >= 1,
+                "stream_interval", self.stream_interval, "an int >= 1 (tokens)")
         object.__setattr__(self, "token_buckets", _normalise_buckets(
             "token_buckets", self.token_buckets, "max_num_batched_tokens",
             self.max_num_batched_tokens))

@@ -318,6 +318,7 @@ class LLMEngine:
         streamed_output = self.output_processor.streamed_output
         streamed_delta = self.output_processor.streamed_delta
         vocab, logprobs = self.model_config.vocab_size, result.logprobs
+        interval = self.scheduler_config.stream_interval
         outputs: list[RequestOutput] = []
         touched: dict[str, ParentState] = {}  # requests with n > 1
         for row, scheduled in enumerate(out.scheduled):
@@ -348,13 +349,13 @@ class LLMEngine:
                 touched[seq.parent_id] = parent  # one output for its samples, after the loop
             elif request.is_finished:
                 outputs.append(self._emit(parent, True))
-            elif parent.delta:
-                outputs.append(streamed_delta(parent, seq))
-            elif parent.stream:
-                outputs.append(streamed_output(parent, seq))
+            elif parent.stream and (interval == 1 or _stream_due(seq, interval)):
+                outputs.append(streamed_delta(parent, seq) if parent.delta
+                               else streamed_output(parent, seq))
         for parent in touched.values():
             finished = parent.finished
-            if parent.stream or finished:
+            if finished or parent.stream and (interval == 1 or any(
+                    _stream_due(child, interval) for child in parent.children)):
                 outputs.append(self._emit(parent, finished))
         return outputs
 
@@ -443,3 +444,10 @@ def _step_shape(batch: ModelInputs) -> StepShape:
     num_seqs = int(batch.num_seqs)
     return StepShape(query_lens=tuple(np.diff(batch.query_start[:num_seqs + 1]).tolist()),
                      context_lens=tuple(batch.kv_lens[:num_seqs].tolist()))
+
+
+def _stream_due(seq: SeqState, interval: int) -> bool:
+    """Whether a streamed sequence that goes on gets an output this step under
+    `stream_interval`: at its first token, then once `interval` tokens are new."""
+    sent = seq.num_sent_tokens
+    return not sent or len(seq.request.output_token_ids) - sent >= interval

@@ -45,8 +45,9 @@ class SeqState:
     guide: Guide | None = None  # the grammar matcher of a constrained sequence
     uses_penalties: bool = False  # its sampling params penalise repeats (set on creation)
     sampling_entry: SamplingEntry | None = None  # its sampling arrays' row, kept by the engine
-    # DELTA outputs: how much of its tokens and text earlier outputs held, and whether one
-    # carried its finish reason (logprobs entries are handed over and dropped as sent)
+    # How many of its tokens earlier outputs held (stream_interval); DELTA outputs: and
+    # how much of its text, and whether one carried its finish reason (logprobs entries
+    # are handed over and dropped as sent)
     num_sent_tokens: int = 0
     num_sent_chars: int = 0
     sent_final: bool = False
@@ -168,6 +169,7 @@ class OutputProcessor:
     @staticmethod
     def completion(seq: SeqState) -> CompletionOutput:
         request = seq.request  # positional construction: this runs per request per step
+        seq.num_sent_tokens = len(request.output_token_ids)
         return CompletionOutput(
             seq.index, seq.text, request.output_token_ids.copy(),
             None if seq.logprobs is None else seq.cumulative_logprob, seq.logprobs,
@@ -178,6 +180,7 @@ class OutputProcessor:
         """request_output(parent, False) of a request with one sample that goes on: built
         in one call, as it is per streamed request per step."""
         request = seq.request
+        seq.num_sent_tokens = len(request.output_token_ids)
         return RequestOutput(
             parent.request_id, parent.prompt, parent.prompt_token_ids, parent.prompt_logprobs,
             [CompletionOutput(seq.index, seq.text, request.output_token_ids.copy(),

@@ -1,5 +1,7 @@
 """Engine behaviour beyond parity: aborts, leaks, compiles, seeds, n, stops, logprobs."""
 
+import dataclasses
+
 import jax.numpy as jnp
 import numpy as np
 import pytest
@@ -317,3 +319,23 @@ def test_final_only_and_aborted_delta_requests(llm):
     assert seen + last.token_ids == outs["cumulative"][-1].outputs[0].token_ids[:len(seen)
                                                                                 + len(last.token_ids)]
     assert engine.kv_manager.num_free_pages == engine.kv_manager.num_total_pages
+
+
+@pytest.mark.parametrize("kind, n", [("CUMULATIVE", 1), ("DELTA", 1), ("DELTA", 2)])
+def test_stream_interval_sends_the_first_token_then_every_nth_and_the_finish(llm, kind, n):
+    engine = llm.llm_engine
+    config = engine.scheduler_config
+    engine.scheduler_config = dataclasses.replace(config, stream_interval=3)
+    try:
+        outs = run_engine(engine, [("r", ids_prompt([5, 6, 7]), SamplingParams(
+            n=n, temperature=1.0, seed=5, max_tokens=11, ignore_eos=True,
+            output_kind=kind))])["r"]
+    finally:
+        engine.scheduler_config = config
+    for index in range(n):
+        counts = [len(c.token_ids) for o in outs for c in o.outputs if c.index == index]
+        if kind == "DELTA":  # new tokens per output
+            assert counts == [1, 3, 3, 3, 1]
+        else:  # tokens so far
+            assert counts == [1, 4, 7, 10, 11]
+    assert outs[-1].finished and not any(o.finished for o in outs[:-1])

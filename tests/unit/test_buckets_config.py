@@ -89,6 +89,8 @@ def test_scheduler_config_custom_buckets_sorted_and_must_reach_limit():
     (dict(watermark=1.0), "watermark must be in [0, 1), got 1.0"),
     (dict(policy="lifo"), "policy must be one of ('fcfs', 'priority', 'length-aware'), got 'lifo'"),
     (dict(max_waiting=0), "max_waiting must be >= 1 or None, got 0"),
+    (dict(stream_interval=0), "stream_interval must be an int >= 1 (tokens), got 0"),
+    (dict(stream_interval=2.5), "stream_interval must be an int >= 1 (tokens), got 2.5"),
 ])
 def test_scheduler_config_validation(kwargs, message):
     with pytest.raises(ValueError) as info:
