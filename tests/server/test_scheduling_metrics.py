@@ -17,7 +17,8 @@ def test_serve_accepts_the_scheduling_options():
         "--aging-interval", "2", "--short-preempt-wait", "inf", "--boost-wait", "0.5",
         "--long-prefill-token-threshold", "64", "--max-long-partial-prefills", "2",
         "--kv-plan-limit", "0.9", "--degrade-after", "10", "--restore-after", "5",
-        "--degraded-token-fraction", "0.25", "--swap-space", "4", "--swap-min-tokens", "64"])
+        "--degraded-token-fraction", "0.25", "--swap-space", "4", "--swap-min-tokens", "64",
+        "--stream-interval", "4"])
     config = engine_config_from_kwargs(args.model, **engine_kwargs(args))
     s, c = config.scheduler, config.cache
     assert (s.policy, s.length_buckets, s.aging_interval) == ("length-aware", (64, 256), 2.0)
@@ -27,6 +28,7 @@ def test_serve_accepts_the_scheduling_options():
     assert (s.kv_plan_limit, s.degrade_after, s.restore_after) == (0.9, 10.0, 5.0)
     assert s.degraded_token_fraction == 0.25 and s.watermark == 0.05
     assert (c.swap_space, c.swap_min_tokens) == (4.0, 64)
+    assert s.stream_interval == 4
 
 
 def test_bad_scheduling_option_names_field_value_and_limit():
