@@ -316,8 +316,8 @@ def test_final_only_and_aborted_delta_requests(llm):
     aborted = engine.abort("delta")
     (last,) = aborted.outputs
     assert aborted.finished and last.finish_reason == "abort"
-    assert seen + last.token_ids == outs["cumulative"][-1].outputs[0].token_ids[:len(seen)
-                                                                                + len(last.token_ids)]
+    streamed = seen + last.token_ids
+    assert streamed == outs["cumulative"][-1].outputs[0].token_ids[:len(streamed)]
     assert engine.kv_manager.num_free_pages == engine.kv_manager.num_total_pages
 
 

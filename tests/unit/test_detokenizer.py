@@ -226,7 +226,7 @@ def test_long_text_kept_in_pieces_reads_and_cuts_as_one_string(tok, seed):
     for i in ids:
         detok.append(i)
         checker.append(i)
-        checker.text  # joined every token: one string throughout
+        assert checker.text.endswith(checker.text_since(checker.num_chars - 1))  # joined
         assert detok.num_chars == checker.num_chars
         assert detok.held_back() == checker.held_back()
         k = rng.randrange(detok.num_chars + 1)
