@@ -279,11 +279,12 @@ class RequestTracker:
 
     def observe(self, output: RequestOutput) -> None:
         now = time.monotonic()
-        new = 0
+        new = steps = 0  # steps: the engine steps the output spans, its samples' most tokens
         num_tokens = self.num_tokens
         for c in output.outputs:
             n = len(c.token_ids)
             new += n
+            steps = max(steps, n)
             num_tokens[c.index] = num_tokens.get(c.index, 0) + n
             if c.finish_reason is not None:
                 self.m.request_success.labels(self.label, c.finish_reason).inc()
@@ -295,9 +296,11 @@ class RequestTracker:
             m = self.m
             m.generation_tokens_series.inc(new)
             m.num_generation_tokens += new
-            if self.last_time is not None:
-                m.itl_series.observe(now - self.last_time)
-                m.tpot_series.observe(now - self.last_time)
+            if self.last_time is not None:  # spread over the steps (--stream-interval)
+                gap = (now - self.last_time) / steps
+                for _ in range(steps):
+                    m.itl_series.observe(gap)
+                    m.tpot_series.observe(gap)
             self.last_time = now
         if output.finished:
             self._finish(output, now)

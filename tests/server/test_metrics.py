@@ -184,3 +184,27 @@ async def test_every_metric_the_dashboard_queries_exists(server, monkeypatch):
     queried = _dashboard_metrics()
     assert len(queried) >= 20
     assert queried <= exported, queried - exported
+
+
+def test_itl_spreads_an_output_of_several_steps_over_its_tokens(monkeypatch):
+    """--stream-interval N: a DELTA output carries N steps' tokens; ITL and TPOT count a
+    gap per step, not per output. n samples' tokens of one step are one gap."""
+    from serving import metrics as metrics_module
+    from serving.request import CompletionOutput, RequestMetrics, RequestOutput, SamplingParams
+    metrics = Metrics(_FakeLLM(), "m")
+    tracker = metrics.tracker(SamplingParams(n=2, max_tokens=5))
+    clock = iter([0.0, 0.3, 0.4])
+    monkeypatch.setattr(metrics_module.time, "monotonic", lambda: next(clock))
+    for parts, finished in [([(1, None), (1, None)], False),  # the first token, at once
+                            ([(3, None), (2, None)], False),  # then 3 steps in one output
+                            ([(1, "length"), (2, "length")], True)]:
+        tracker.observe(RequestOutput("r", None, [1, 2], None, [
+            CompletionOutput(i, "", [7] * k, finish_reason=f) for i, (k, f) in enumerate(parts)],
+            finished, RequestMetrics(arrival_time=0.0)))
+    values = parse_values(metrics.render().decode())
+    label = '{model_name="m"}'
+    for name in ("inter_token_latency_seconds", "time_per_output_token_seconds"):
+        assert values[f"qwen_jax:{name}_count{label}"] == 5  # 3 steps, then 2
+        assert abs(values[f"qwen_jax:{name}_sum{label}"] - 0.4) < 1e-9
+    assert values[f"qwen_jax:generation_tokens_total{label}"] == 10
+    assert values['qwen_jax:request_success_total{finished_reason="length",model_name="m"}'] == 2
