@@ -208,3 +208,31 @@ def test_itl_spreads_an_output_of_several_steps_over_its_tokens(monkeypatch):
         assert abs(values[f"qwen_jax:{name}_sum{label}"] - 0.4) < 1e-9
     assert values[f"qwen_jax:generation_tokens_total{label}"] == 10
     assert values['qwen_jax:request_success_total{finished_reason="length",model_name="m"}'] == 2
+
+
+def test_token_gaps_expose_what_a_prometheus_histogram_would():
+    """The ITL / TPOT histogram is kept as plain counts (it is written per streamed output);
+    its samples are prometheus_client's for the same observations, under both names."""
+    from prometheus_client import CollectorRegistry, Histogram, generate_latest
+
+    from serving.metrics import ITL_BUCKETS
+    metrics = Metrics(_FakeLLM(), "m", prefix="vllm")
+    reference = CollectorRegistry()
+    histogram = Histogram("vllm:inter_token_latency_seconds", "Inter-token latency.",
+                          ["model_name"], buckets=ITL_BUCKETS, registry=reference)
+    for gap in (0.0, 0.01, 0.0100001, 0.3, 0.31, 7.5, 100.0, 0.049):
+        metrics.token_gaps.observe(gap)
+        histogram.labels("m").observe(gap)
+    metrics.token_gaps.observe(0.2, 3)
+    for _ in range(3):
+        histogram.labels("m").observe(0.2)
+
+    def samples(text: str, name: str) -> dict:
+        return {k: v for k, v in parse_values(text).items()
+                if k.startswith(name) and not k.startswith(name + "_created")}
+    expected = samples(generate_latest(reference).decode(), "vllm:inter_token_latency_seconds")
+    text = metrics.render().decode()
+    assert len(expected) == len(ITL_BUCKETS) + 3  # the buckets, +Inf, _count, _sum
+    assert samples(text, "vllm:inter_token_latency_seconds") == pytest.approx(expected)
+    assert samples(text, "vllm:time_per_output_token_seconds") == pytest.approx({
+        k.replace("inter_token_latency", "time_per_output_token"): v for k, v in expected.items()})
