@@ -116,6 +116,19 @@ def _scheduling_families(collector: _EngineCollector, s: dict):
         yield collector._family(cls, name, doc, s[key], OWN)
 
 
+class _PlainCounter:
+    """A counter kept as a plain number by its one writer (the server's event loop, per
+    streamed output: no lock each time), read by `read` when scraped."""
+
+    def __init__(self, name: str, doc: str, model_name: str, read):
+        self.name, self.doc, self.model_name, self.read = name, doc, model_name, read
+
+    def collect(self):
+        family = CounterMetricFamily(self.name, self.doc, labels=["model_name"])
+        family.add_metric([self.model_name], self.read())
+        yield family
+
+
 class _TokenGaps:
     """A histogram of the gaps between a stream's tokens, collected under each of `names`.
     The server's event loop observes it per streamed output and serves the scrapes, so it
@@ -183,24 +196,27 @@ class Metrics:
         self.model_name = model_name
         self.cost_model, self.peak, self.num_devices = cost_model, peak, num_devices
         f = _Factory(self.registry, prefix)
+        # Plain totals, for the periodic throughput log line; generation_tokens_total too.
+        self.num_prompt_tokens = 0
+        self.num_generation_tokens = 0
         self._request_metrics(f, bucket_1_2_5(max_model_len))
-        # The series each streamed output updates, labelled once: `labels()` takes a lock
-        # and builds its key on every call, ~40% of a streamed chunk's cost in the server.
-        self.generation_tokens_series = self.generation_tokens.labels(model_name)
         self._step_metrics(f)
+        # The series each step updates, labelled once: `labels()` takes a lock and builds
+        # its key on every call (it was ~40% of a streamed chunk's cost in the server,
+        # whose per-output series are plain counts now: _PlainCounter, _TokenGaps).
         self._step_series = {name: getattr(self, name).labels(model_name)
                              for name in _STEP_SERIES if hasattr(self, name)}  # mfu: a peak
         self.http_responses = f.counter("http_responses", "HTTP responses by status code.",
                                         ["code"], own=True)
         self.registry.register(_EngineCollector(llm, model_name, prefix))
-        # Plain totals for the periodic throughput log line.
-        self.num_prompt_tokens = 0
-        self.num_generation_tokens = 0
 
     def _request_metrics(self, f: _Factory, lengths: tuple[int, ...]) -> None:
         h = f.histogram
         self.prompt_tokens = f.counter("prompt_tokens", "Prefill tokens processed.")
-        self.generation_tokens = f.counter("generation_tokens", "Generation tokens processed.")
+        # counted per streamed output by the event loop: num_generation_tokens
+        self.registry.register(_PlainCounter(
+            f.name("generation_tokens", False), "Generation tokens processed.",
+            self.model_name, lambda: self.num_generation_tokens))
         self.request_success = f.counter("request_success", "Finished requests by reason.",
                                          ["finished_reason"])
         self.ttft = h("time_to_first_token_seconds", "Time to first token.", TTFT_BUCKETS)
@@ -326,7 +342,6 @@ class RequestTracker:
             self.m.num_prompt_tokens += len(output.prompt_token_ids)
         if new:
             m = self.m
-            m.generation_tokens_series.inc(new)
             m.num_generation_tokens += new
             if self.last_time is not None:  # spread over the steps (--stream-interval)
                 m.token_gaps.observe((now - self.last_time) / steps, steps)

@@ -245,7 +245,9 @@ class Job:
         return out
 
     def _delta(self, index: int, text: str, first: bool, finished: bool) -> dict:
-        stream = self.streams.setdefault(index, self.reply.stream())
+        stream = self.streams.get(index)
+        if stream is None:  # not setdefault: that builds a stream for every chunk
+            stream = self.streams[index] = self.reply.stream()
         return {**({"role": "assistant"} if first else {}), **stream.delta(text, finished)}
 
     def usage_chunk(self) -> dict:
