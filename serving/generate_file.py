@@ -114,7 +114,8 @@ def _parse_fields(obj: dict, line_no: int, tokenizer, default_sampling: dict,
     unknown = sorted(set(obj) - OTHER_FIELDS - SAMPLING_FIELDS)
     if unknown:
         raise BadLine(f"unknown field(s) {unknown}; allowed: id, prompt, messages, "
-                      "chat_template_kwargs, metadata and SamplingParams fields")
+                      "chat_template_kwargs, metadata and SamplingParams fields but "
+                      "output_kind (a record gets its final output)")
     prompt = _engine_prompt(obj, tokenizer)
     fields = {**default_sampling, **{k: v for k, v in obj.items() if k in SAMPLING_FIELDS}}
     if fields.get("seed") is None and base_seed is not None:

@@ -137,6 +137,12 @@ def test_generate_file_rejects_unknown_default_sampling(tmp_path):
                       default_sampling={"max_token": 3})
 
 
+def test_a_record_cannot_ask_for_streamed_outputs():
+    from serving.generate_file import BadLine, _parse_fields
+    with pytest.raises(BadLine, match=r"unknown field\(s\) \['output_kind'\].*final output"):
+        _parse_fields({"id": "a", "prompt": "hi", "output_kind": "DELTA"}, 1, None, {}, None)
+
+
 def test_a_request_the_engine_fails_is_reported_and_the_rest_complete(tmp_path, tokenizer_ckpt,
                                                                       compile_cache):
     from serving.generate_file import generate_file
