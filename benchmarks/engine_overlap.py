@@ -56,6 +56,8 @@ def parse_args(argv=None):
     p.add_argument("--skip-real", action="store_true")
     p.add_argument("--skip-engine", action="store_true", help="only the vocabulary part")
     p.add_argument("--skip-vocab", action="store_true", help="no vocabulary part")
+    p.add_argument("--whole-responses", action="store_true",
+                   help="also AsyncLLM with non-streamed requests: DELTA and FINAL_ONLY")
     p.add_argument("--stream-interval", type=int, default=1,
                    help="the engine option for the AsyncLLM figures (the server's way)")
     p.add_argument("--host-only", action="store_true",
@@ -204,7 +206,7 @@ def host_cost(engine, steps: int) -> dict:
 
 def async_engine_thread(model, num_seqs: int, steps: int, cache_dir,
                         chunks: bool = False, device_ms: float = 0.0,
-                        stream_interval: int = 1) -> dict:
+                        stream_interval: int = 1, whole: str | None = None) -> dict:
     """What the server's engine thread spends per step: AsyncLLM around an overlapped engine
     of `num_seqs` streamed DELTA decodes (instant fake device), each request's outputs read by a
     coroutine on an event loop in another thread, as the server's handlers read them
@@ -212,30 +214,36 @@ def async_engine_thread(model, num_seqs: int, steps: int, cache_dir,
     Median ms from one `engine.step()` start to the next (the step, the stats, handing
     the outputs to the event loop, the listeners; and whatever the loop thread holds the
     GIL for meanwhile), and the calibration loop timed on a third thread afterwards.
-    `stream_interval`: the engine option, an output every that many tokens."""
+    `stream_interval`: the engine option, an output every that many tokens. `whole`: the
+    requests are whole (non-streamed) responses with outputs of that kind, each read into
+    its Job (the server's non-streamed handler), with the server's step listener
+    (`Metrics.on_step`) on the engine thread."""
     import asyncio
     import threading
 
     from serving.async_llm import AsyncLLM
     engine = decoding_engine(model, num_seqs, steps, True, cache_dir, stream=True,
-                             output_kind="DELTA",  # what the server asks for
+                             output_kind=whole or "DELTA",  # what the server asks for
                              stream_interval=stream_interval)
     engine.runner.dispatch = FakeDevice(device_ms / 1e3).dispatch
     loop = asyncio.new_event_loop()
     threading.Thread(target=loop.run_forever, daemon=True).start()
     received = [0]
-    if chunks:
+    if chunks or whole:
         from benchmarks.stream_chunks import _NoEngine, streamed_job
         from serving.metrics import Metrics
         from serving.openai_outputs import sse
         metrics = Metrics(_NoEngine(), "m")
 
     async def read(stream):
-        job = streamed_job("chat", metrics, engine.model_config.vocab_size) if chunks else None
+        job = (streamed_job("chat", metrics, engine.model_config.vocab_size)
+               if chunks or whole else None)
         while True:
             output = await stream.get()
             received[0] += 1
-            if job is not None:
+            if whole:
+                job.add(0, output)
+            elif job is not None:
                 for chunk in job.chunks(0, output):
                     sse(chunk)
 
@@ -263,6 +271,8 @@ def async_engine_thread(model, num_seqs: int, steps: int, cache_dir,
 
     engine.step = timed_step  # type: ignore[method-assign]
     llm = AsyncLLM(engine=engine)
+    if whole:
+        llm.step_listeners.append(metrics.on_step)
     llm._streams.update(streams)  # the streams AsyncLLM.generate would have registered
     while len(starts) < steps + 5:
         time.sleep(0.01)
@@ -294,6 +304,10 @@ def fake_device_runs(args) -> dict:
             row["async_llm_thread_sse_chunks"] = async_engine_thread(
                 args.model, n, args.steps, args.compilation_cache_dir, chunks=True,
                 stream_interval=args.stream_interval)
+        if args.whole_responses:  # non-streamed requests: per-step DELTA, or final only
+            for kind in ("DELTA", "FINAL_ONLY"):
+                row[f"async_llm_whole_{kind.lower()}"] = async_engine_thread(
+                    args.model, n, args.steps, args.compilation_cache_dir, whole=kind)
         out["host_ms_per_step"][str(n)] = row
         for d in ([] if args.host_only else args.device_ms):
             cell: dict = {}

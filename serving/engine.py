@@ -321,6 +321,12 @@ class LLMEngine:
         interval = self.scheduler_config.stream_interval
         outputs: list[RequestOutput] = []
         touched: dict[str, ParentState] = {}  # requests with n > 1
+        # The step's token stats, whatever its outputs hold (they may hold none: FINAL_ONLY,
+        # stream_interval): tokens appended, prompts whose first token this is, and the
+        # previous token's time of each other token, counted by time (a step's tokens
+        # mostly share one), for the metrics' inter-token latency.
+        num_generated = num_prompt_tokens = 0
+        previous_times: dict[float, int] = {}
         for row, scheduled in enumerate(out.scheduled):
             if not scheduled.samples:
                 continue
@@ -330,10 +336,16 @@ class LLMEngine:
             if seq is None or request.is_finished:
                 continue
             token = tokens[row]
+            previous = request.metrics.last_token_time
             try:
                 if not 0 <= token < vocab:
                     raise ValueError(f"sampled token id {token} for {request.request_id!r} "
                                      f"is outside the vocabulary [0, {vocab})")
+                num_generated += 1
+                if previous is not None:
+                    previous_times[previous] = previous_times.get(previous, 0) + 1
+                elif seq.index == 0:  # a request's prompt counts once, not once per sample
+                    num_prompt_tokens += len(request.prompt_token_ids)
                 status = append(seq, token, logprobs, row, now)
                 if seq.guide is not None and not seq.guide.accept(token):
                     logger.error("request %s: token %d broke its grammar: %s", seq.parent_id,
@@ -357,6 +369,8 @@ class LLMEngine:
             if finished or parent.stream and (interval == 1 or any(
                     _stream_due(child, interval) for child in parent.children)):
                 outputs.append(self._emit(parent, finished))
+        self.last_step.update(num_generated=num_generated, num_prompt_tokens=num_prompt_tokens,
+                              token_time=now, previous_token_times=previous_times)
         return outputs
 
     def _constrained_rows(self, out) -> list:

@@ -117,8 +117,8 @@ def _scheduling_families(collector: _EngineCollector, s: dict):
 
 
 class _PlainCounter:
-    """A counter kept as a plain number by its one writer (the server's event loop, per
-    streamed output: no lock each time), read by `read` when scraped."""
+    """A counter kept as a plain number by its one writer (the engine thread's step
+    listener: no lock each time), read by `read` when scraped."""
 
     def __init__(self, name: str, doc: str, model_name: str, read):
         self.name, self.doc, self.model_name, self.read = name, doc, model_name, read
@@ -130,10 +130,11 @@ class _PlainCounter:
 
 
 class _TokenGaps:
-    """A histogram of the gaps between a stream's tokens, collected under each of `names`.
-    The server's event loop observes it per streamed output and serves the scrapes, so it
-    is plain counts: a bisect and two adds. Two prometheus_client Histograms cost two
-    locked walks over the buckets per output, about a quarter of a streamed chunk."""
+    """A histogram of the gaps between a request's tokens, collected under each of
+    `names`. One writer (the engine thread's step listener, a few distinct gaps a step)
+    and the scrapes read it, so it is plain counts: a bisect and two adds per gap value.
+    Two prometheus_client Histograms observed per streamed output were about a quarter of
+    a streamed chunk's cost on the server's event loop."""
 
     def __init__(self, model_name: str, buckets: tuple[float, ...],
                  names: list[tuple[str, str]]):
@@ -212,8 +213,10 @@ class Metrics:
 
     def _request_metrics(self, f: _Factory, lengths: tuple[int, ...]) -> None:
         h = f.histogram
-        self.prompt_tokens = f.counter("prompt_tokens", "Prefill tokens processed.")
-        # counted per streamed output by the event loop: num_generation_tokens
+        # Counted by the engine thread's step listener (on_step): plain totals, one writer.
+        self.registry.register(_PlainCounter(
+            f.name("prompt_tokens", False), "Prefill tokens processed.", self.model_name,
+            lambda: self.num_prompt_tokens))
         self.registry.register(_PlainCounter(
             f.name("generation_tokens", False), "Generation tokens processed.",
             self.model_name, lambda: self.num_generation_tokens))
@@ -283,7 +286,18 @@ class Metrics:
                 ).labels(self.model_name).set(peak_bytes)
 
     def on_step(self, step_info: dict, outputs) -> None:
-        """Engine-thread step listener (the series labelled once: it runs every step)."""
+        """Engine-thread step listener (the series labelled once: it runs every step). The
+        token counts and inter-token latency come from the step's own stats, as vLLM's
+        engine keeps them: whatever its outputs hold (whole responses get only their final
+        one; --stream-interval), every token counts, each gap measured from its own
+        previous token."""
+        self.num_generation_tokens += step_info.get("num_generated", 0)
+        self.num_prompt_tokens += step_info.get("num_prompt_tokens", 0)
+        previous = step_info.get("previous_token_times")
+        if previous:
+            now, observe = step_info["token_time"], self.token_gaps.observe
+            for then, count in previous.items():
+                observe(now - then, count)
         series = self._step_series
         series["iteration_tokens"].observe(step_info.get("num_tokens", 0))
         series["iteration_seqs"].observe(step_info.get("num_seqs", 0))
@@ -313,41 +327,24 @@ class Metrics:
 
 
 class RequestTracker:
-    """Follows one request's DELTA outputs (each holds what is new): token counts, ITL,
-    each sample's finish reason, and at finish the latency, token-count and parameter
-    histograms."""
+    """Follows one request's outputs (DELTA, or one FINAL_ONLY): each sample's finish
+    reason, and at the finish the latency, token-count and parameter histograms. Token
+    counts and inter-token latency are the step listener's (Metrics.on_step)."""
 
     def __init__(self, metrics: Metrics, params: SamplingParams | None = None):
         self.m = metrics
         self.params = params
         self.label = metrics.model_name
         self.num_tokens: dict[int, int] = {}
-        self.last_time: float | None = None
-        self.prompt_counted = False
 
     def observe(self, output: RequestOutput) -> None:
-        now = time.monotonic()
-        new = steps = 0  # steps: the engine steps the output spans, its samples' most tokens
         num_tokens = self.num_tokens
-        for c in output.outputs:
-            n = len(c.token_ids)
-            new += n
-            steps = max(steps, n)
-            num_tokens[c.index] = num_tokens.get(c.index, 0) + n
+        for c in output.outputs:  # what each output adds (a FINAL_ONLY one: everything)
+            num_tokens[c.index] = num_tokens.get(c.index, 0) + len(c.token_ids)
             if c.finish_reason is not None:
                 self.m.request_success.labels(self.label, c.finish_reason).inc()
-        if new and not self.prompt_counted:
-            self.prompt_counted = True
-            self.m.prompt_tokens.labels(self.label).inc(len(output.prompt_token_ids))
-            self.m.num_prompt_tokens += len(output.prompt_token_ids)
-        if new:
-            m = self.m
-            m.num_generation_tokens += new
-            if self.last_time is not None:  # spread over the steps (--stream-interval)
-                m.token_gaps.observe((now - self.last_time) / steps, steps)
-            self.last_time = now
         if output.finished:
-            self._finish(output, now)
+            self._finish(output, time.monotonic())
 
     def _finish(self, output: RequestOutput, now: float) -> None:
         m, label = self.m, self.label

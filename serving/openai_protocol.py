@@ -319,11 +319,11 @@ def sampling_params(req: ParsedRequest, num_prompt_tokens: int, max_model_len: i
                                 f"{max_model_len}; at most {room}")
     max_tokens = req.max_tokens or min(req.default_max_tokens or room, room)
     try:
-        # DELTA: each output holds what is new (see Job), so a streamed output's cost
-        # does not grow with its length
+        # A stream gets DELTA outputs (each holds what is new, see Job: a streamed output's
+        # cost does not grow with its length); a whole response only its final one.
+        kind = RequestOutputKind.DELTA if req.stream else RequestOutputKind.FINAL_ONLY
         return SamplingParams(**req.sampling, max_tokens=max_tokens, logprobs=req.logprobs,
-                              structured_outputs=req.structured,
-                              output_kind=RequestOutputKind.DELTA)
+                              structured_outputs=req.structured, output_kind=kind)
     except ValueError as exc:
         raise bad(str(exc).split()[0], str(exc)) from None
 

@@ -239,15 +239,17 @@ def test_unknown_kv_cache_dtype_names_the_choices(tiny_ckpt):
         LLM(str(tiny_ckpt[0]), kv_cache_dtype="int4", precompile=False, **ENGINE_ARGS)
 
 
-def run_engine(engine, requests):
+def run_engine(engine, requests, steps=None):
     """Adds (request_id, prompt, params) to `engine` and steps it until they finish;
-    returns each request's outputs in order."""
+    returns each request's outputs in order (and appends each step's stats to `steps`)."""
     outputs = {rid: [] for rid, _, _ in requests}
     for rid, prompt, params in requests:
         engine.add_request(rid, prompt, params)
     while engine.has_unfinished_requests():
         for out in engine.step():
             outputs[out.request_id].append(out)
+        if steps is not None and engine.last_step:
+            steps.append(engine.last_step)
     return outputs
 
 
@@ -326,12 +328,17 @@ def test_stream_interval_sends_the_first_token_then_every_nth_and_the_finish(llm
     engine = llm.llm_engine
     config = engine.scheduler_config
     engine.scheduler_config = dataclasses.replace(config, stream_interval=3)
+    steps: list[dict] = []
     try:
         outs = run_engine(engine, [("r", ids_prompt([5, 6, 7]), SamplingParams(
             n=n, temperature=1.0, seed=5, max_tokens=11, ignore_eos=True,
-            output_kind=kind))])["r"]
+            output_kind=kind))], steps)["r"]
     finally:
         engine.scheduler_config = config
+    # the steps' own token stats count every token (the metrics' source), and the prompt once
+    assert sum(s["num_generated"] for s in steps) == 11 * n
+    assert sum(sum(s["previous_token_times"].values()) for s in steps) == 10 * n
+    assert sum(s["num_prompt_tokens"] for s in steps) == 3
     for index in range(n):
         counts = [len(c.token_ids) for o in outs for c in o.outputs if c.index == index]
         if kind == "DELTA":  # new tokens per output

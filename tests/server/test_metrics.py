@@ -186,28 +186,33 @@ async def test_every_metric_the_dashboard_queries_exists(server, monkeypatch):
     assert queried <= exported, queried - exported
 
 
-def test_itl_spreads_an_output_of_several_steps_over_its_tokens(monkeypatch):
-    """--stream-interval N: a DELTA output carries N steps' tokens; ITL and TPOT count a
-    gap per step, not per output. n samples' tokens of one step are one gap."""
-    from serving import metrics as metrics_module
+def test_token_counts_and_itl_come_from_the_steps_not_the_outputs():
+    """A step's own stats count every token, whatever its outputs held (a whole response
+    gets only its final output; --stream-interval N one per N tokens): each gap from the
+    token's own previous one, a prompt once per request; the tracker counts only finishes."""
     from serving.request import CompletionOutput, RequestMetrics, RequestOutput, SamplingParams
     metrics = Metrics(_FakeLLM(), "m")
+    # step 1: two requests' first tokens (prompts of 5 and 7); step 2 at t=0.3: both again,
+    # and a third request whose last token came at t=0.1
+    metrics.on_step({"num_generated": 2, "num_prompt_tokens": 12, "token_time": 0.2,
+                     "previous_token_times": {}}, [])
+    metrics.on_step({"num_generated": 3, "num_prompt_tokens": 0, "token_time": 0.3,
+                     "previous_token_times": {0.2: 2, 0.1: 1}}, [])
     tracker = metrics.tracker(SamplingParams(n=2, max_tokens=5))
-    clock = iter([0.0, 0.3, 0.4])
-    monkeypatch.setattr(metrics_module.time, "monotonic", lambda: next(clock))
-    for parts, finished in [([(1, None), (1, None)], False),  # the first token, at once
-                            ([(3, None), (2, None)], False),  # then 3 steps in one output
-                            ([(1, "length"), (2, "length")], True)]:
-        tracker.observe(RequestOutput("r", None, [1, 2], None, [
-            CompletionOutput(i, "", [7] * k, finish_reason=f) for i, (k, f) in enumerate(parts)],
-            finished, RequestMetrics(arrival_time=0.0)))
+    tracker.observe(RequestOutput("r", None, [1, 2], None, [
+        CompletionOutput(0, "", [7] * 5, finish_reason="length"),
+        CompletionOutput(1, "", [7] * 3, finish_reason="stop")], True,
+        RequestMetrics(arrival_time=0.0)))
     values = parse_values(metrics.render().decode())
     label = '{model_name="m"}'
     for name in ("inter_token_latency_seconds", "time_per_output_token_seconds"):
-        assert values[f"qwen_jax:{name}_count{label}"] == 5  # 3 steps, then 2
-        assert abs(values[f"qwen_jax:{name}_sum{label}"] - 0.4) < 1e-9
-    assert values[f"qwen_jax:generation_tokens_total{label}"] == 10
-    assert values['qwen_jax:request_success_total{finished_reason="length",model_name="m"}'] == 2
+        assert values[f"qwen_jax:{name}_count{label}"] == 3
+        assert values[f"qwen_jax:{name}_sum{label}"] == pytest.approx(0.1 + 0.1 + 0.2)
+    assert values[f"qwen_jax:generation_tokens_total{label}"] == 5
+    assert values[f"qwen_jax:prompt_tokens_total{label}"] == 12
+    assert values[f"qwen_jax:request_generation_tokens_sum{label}"] == 8
+    assert values['qwen_jax:request_success_total{finished_reason="length",model_name="m"}'] == 1
+    assert values['qwen_jax:request_success_total{finished_reason="stop",model_name="m"}'] == 1
 
 
 def test_token_gaps_expose_what_a_prometheus_histogram_would():
