@@ -126,7 +126,7 @@ class IncrementalDetokenizer:
         """Appends output tokens; returns the text that became stable. Ignored after a stop."""
         for token_id in token_ids:
             self.append(token_id)
-        return self._take_delta(final=self.finished_by_stop)
+        return self.take_delta(final=self.finished_by_stop)
 
     def append(self, token_id: int) -> None:
         """`add` of one token without computing the delta (what the engine needs per step:
@@ -161,6 +161,11 @@ class IncrementalDetokenizer:
     def flush(self) -> str:
         """Call once the request ends for any reason but a stop string: returns the held-back tail
         (a possible stop-string prefix, or an incomplete UTF-8 sequence as U+FFFD)."""
+        self.finish()
+        return self.take_delta(final=True)
+
+    def finish(self) -> None:
+        """`flush` without taking the delta: the held-back tail goes into the text."""
         if self._bytes is not None:
             tail = "" if self.finished_by_stop else self._undecoded.decode("utf-8", "replace")
             self._undecoded = b""
@@ -171,7 +176,6 @@ class IncrementalDetokenizer:
             self._extend(self._decode(self._window)[len(prefix_text):])
             self._window, self._read = [], 0
         self._stream = None  # the mirror is reset; tokens after a flush go the Python way
-        return self._take_delta(final=True)
 
     def _decode(self, ids: list[int]) -> str:
         return self._tokenizer.decode(ids, skip_special_tokens=self._skip_special_tokens)
@@ -215,7 +219,9 @@ class IncrementalDetokenizer:
                 i = text.find(stop[0], i + 1)
         return longest
 
-    def _take_delta(self, *, final: bool) -> str:
+    def take_delta(self, *, final: bool) -> str:
+        """The text since the last delta taken; while not `final`, but a tail that may
+        begin a stop string (held back until a later token settles it)."""
         end = self.num_chars if final else self.num_chars - self.held_back()
         end = max(end, self._num_emitted)
         delta = self.text_since(self._num_emitted)[:end - self._num_emitted]

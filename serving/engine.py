@@ -13,10 +13,9 @@ from qwen_jax.model import Qwen3ForCausalLM
 from qwen_jax.weights import DEFAULT_MODEL_DIR, resolve_model_path
 from serving import distributed, engine_setup, engine_stats
 from serving.batch import ModelInputs, build_model_inputs, step_bucket
-from serving.detokenizer import IncrementalDetokenizer
 from serving.engine_config import EngineConfig
 from serving.generation_config import sampling_defaults
-from serving.output_processor import OutputProcessor, ParentState, SeqState
+from serving.output_processor import OutputProcessor, ParentState, SeqState, stream_due
 from serving.request import (
     Request,
     RequestOutput,
@@ -151,7 +150,7 @@ class LLMEngine:
                                   priority=priority,
                                   arrival_time=arrival_time or time.monotonic())
                 self.scheduler.add_request(request)
-                children.append(self._seq_state(request, request_id, i, params, ids, blocked))
+                children.append(self._seq_state(request, request_id, i, blocked))
                 children[-1].guide = self._guide(params, ids)
             prompt_lps = (None if params.prompt_logprobs is None
                           else self._prompt_logprobs(ids, params.prompt_logprobs))
@@ -196,19 +195,12 @@ class LLMEngine:
                              f"min_tokens > 0 at most {NUM_BLOCKED - len(eos)} are supported")
         return blocked
 
-    def _seq_state(self, request, parent_id, index, params, prompt_ids, blocked) -> SeqState:
+    def _seq_state(self, request, parent_id, index, blocked) -> SeqState:
         # Children of one request get distinct streams; an explicit seed stays reproducible.
-        base = int(self._rng.integers(0, 2**32)) if params.seed is None else params.seed
-        seed = (base + index * 0x9E3779B9) % 2**32
-        detok = None
-        if self.tokenizer is not None:
-            detok = IncrementalDetokenizer(
-                self.tokenizer, prompt_ids, skip_special_tokens=params.skip_special_tokens,
-                stop=list(params.stop),
-                include_stop_str_in_output=params.include_stop_str_in_output)
-        return SeqState(request=request, parent_id=parent_id, index=index, seed=seed,
-                        blocked_ids=blocked, detokenizer=detok,
-                        logprobs=[] if params.logprobs is not None else None)
+        seed = request.sampling_params.seed
+        base = int(self._rng.integers(0, 2**32)) if seed is None else seed
+        return self.output_processor.new_seq(request, parent_id, index,
+                                             (base + index * 0x9E3779B9) % 2**32, blocked)
 
     def abort(self, request_id: str) -> RequestOutput | None:
         """Abort a request (all its samples); its pages are free on return."""
@@ -361,13 +353,13 @@ class LLMEngine:
                 touched[seq.parent_id] = parent  # one output for its samples, after the loop
             elif request.is_finished:
                 outputs.append(self._emit(parent, True))
-            elif parent.stream and (interval == 1 or _stream_due(seq, interval)):
+            elif parent.stream and (interval == 1 or stream_due(seq, interval)):
                 outputs.append(streamed_delta(parent, seq) if parent.delta
                                else streamed_output(parent, seq))
         for parent in touched.values():
             finished = parent.finished
             if finished or parent.stream and (interval == 1 or any(
-                    _stream_due(child, interval) for child in parent.children)):
+                    stream_due(child, interval) for child in parent.children)):
                 outputs.append(self._emit(parent, finished))
         self.last_step.update(num_generated=num_generated, num_prompt_tokens=num_prompt_tokens,
                               token_time=now, previous_token_times=previous_times)
@@ -459,9 +451,3 @@ def _step_shape(batch: ModelInputs) -> StepShape:
     return StepShape(query_lens=tuple(np.diff(batch.query_start[:num_seqs + 1]).tolist()),
                      context_lens=tuple(batch.kv_lens[:num_seqs].tolist()))
 
-
-def _stream_due(seq: SeqState, interval: int) -> bool:
-    """Whether a streamed sequence that goes on gets an output this step under
-    `stream_interval`: at its first token, then once `interval` tokens are new."""
-    sent = seq.num_sent_tokens
-    return not sent or len(seq.request.output_token_ids) - sent >= interval

@@ -46,10 +46,9 @@ class SeqState:
     uses_penalties: bool = False  # its sampling params penalise repeats (set on creation)
     sampling_entry: SamplingEntry | None = None  # its sampling arrays' row, kept by the engine
     # How many of its tokens earlier outputs held (stream_interval); DELTA outputs: and
-    # how much of its text, and whether one carried its finish reason (logprobs entries
-    # are handed over and dropped as sent)
+    # whether one carried its finish reason (the detokenizer keeps what text was taken;
+    # logprobs entries are handed over and dropped as sent)
     num_sent_tokens: int = 0
-    num_sent_chars: int = 0
     sent_final: bool = False
 
     def __post_init__(self) -> None:
@@ -96,6 +95,21 @@ class OutputProcessor:
         self.tokenizer = tokenizer
         self.eos_token_ids = frozenset(eos_token_ids)
 
+    def new_seq(self, request: Request, parent_id: str, index: int, seed: int,
+                blocked_ids: tuple[int, ...]) -> SeqState:
+        """The host-side state of sample `index` of a request: its detokenizer (with the
+        request's stop strings) where there is a tokenizer, its logprobs when asked."""
+        params = request.sampling_params
+        detokenizer = None
+        if self.tokenizer is not None:
+            detokenizer = IncrementalDetokenizer(
+                self.tokenizer, request.prompt_token_ids,
+                skip_special_tokens=params.skip_special_tokens, stop=list(params.stop or ()),
+                include_stop_str_in_output=params.include_stop_str_in_output)
+        return SeqState(request=request, parent_id=parent_id, index=index, seed=seed,
+                        blocked_ids=blocked_ids, detokenizer=detokenizer,
+                        logprobs=[] if params.logprobs is not None else None)
+
     def append(self, seq: SeqState, token: int, logprobs: TokenLogprobs | None, row: int,
                now: float | None = None) -> RequestStatus | None:
         """Record `token`, sampled for `row` of a step whose logprobs are `logprobs` and
@@ -131,7 +145,7 @@ class OutputProcessor:
     def flush(seq: SeqState) -> None:
         """Release text held back for a possible stop string once the sequence ends."""
         if seq.detokenizer is not None:
-            seq.detokenizer.flush()
+            seq.detokenizer.finish()  # a DELTA output takes the released text
 
     def _record_logprobs(self, seq: SeqState, token: int, logprobs: TokenLogprobs | None,
                          row: int) -> None:
@@ -189,29 +203,17 @@ class OutputProcessor:
             False, request.metrics, request.num_cached_tokens, parent.error)
 
     @staticmethod
-    def _new_text(seq: SeqState, final: bool) -> str:
-        """The text `seq` adds to its previous DELTA output: all of it once `final`, else
-        but a tail that may begin a stop string."""
-        detokenizer = seq.detokenizer
-        if detokenizer is None:
-            return ""
-        num_chars, end = seq.num_sent_chars, detokenizer.num_chars
-        if not final:
-            end -= detokenizer.held_back()
-        if end <= num_chars:
-            return ""
-        seq.num_sent_chars = end
-        return detokenizer.text_since(num_chars)[:end - num_chars]
-
-    def delta_completion(self, seq: SeqState) -> CompletionOutput | None:
+    def delta_completion(seq: SeqState) -> CompletionOutput | None:
         """What `seq` adds to its previous DELTA output: its new token ids and their
-        logprobs, its new text (see _new_text) and, once, its finish reason; None when it
-        has nothing new. Costs what is new, not the sequence's length."""
+        logprobs, its new text (the detokenizer's delta: held back while it may begin a
+        stop string) and, once, its finish reason; None when it has nothing new. Costs
+        what is new, not the sequence's length."""
         request = seq.request
         tokens = request.output_token_ids
         start = seq.num_sent_tokens
         finish = FINISH_REASONS.get(request.status)
-        text = self._new_text(seq, finish is not None)
+        detokenizer = seq.detokenizer
+        text = "" if detokenizer is None else detokenizer.take_delta(final=finish is not None)
         if start == len(tokens) and not text and (finish is None or seq.sent_final):
             return None
         seq.num_sent_tokens = len(tokens)
@@ -225,22 +227,15 @@ class OutputProcessor:
             request.stop_reason)
 
     def streamed_delta(self, parent: ParentState, seq: SeqState) -> RequestOutput:
-        """streamed_output's DELTA counterpart: delta_completion of a sequence that goes
-        on and has a new token, in one call."""
+        """streamed_output's DELTA counterpart: the output of a request with one sample
+        that goes on (its prompt logprobs, if any, in the first)."""
         request = seq.request
-        tokens = request.output_token_ids
-        start = seq.num_sent_tokens
-        seq.num_sent_tokens = len(tokens)
-        logprobs = seq.logprobs
-        if logprobs is not None:
-            seq.logprobs = []
+        completion = self.delta_completion(seq)  # never None: it has a new token
         prompt_logprobs, parent.prompt_logprobs = parent.prompt_logprobs, None
         return RequestOutput(
             parent.request_id, parent.prompt, parent.prompt_token_ids, prompt_logprobs,
-            [CompletionOutput(seq.index, self._new_text(seq, False), tokens[start:],
-                              None if logprobs is None else seq.cumulative_logprob,
-                              logprobs, None, request.stop_reason)],
-            False, request.metrics, request.num_cached_tokens, parent.error)
+            [] if completion is None else [completion], False, request.metrics,
+            request.num_cached_tokens, parent.error)
 
     def request_output(self, parent: ParentState, finished: bool | None = None) -> RequestOutput:
         """`finished`: parent.finished, where the caller has it. A DELTA request's output
@@ -257,3 +252,10 @@ class OutputProcessor:
             parent.request_id, parent.prompt, parent.prompt_token_ids, prompt_logprobs,
             completions, parent.finished if finished is None else finished, first.metrics,
             first.num_cached_tokens, parent.error)
+
+
+def stream_due(seq: SeqState, interval: int) -> bool:
+    """Whether a streamed sequence that goes on gets an output this step under
+    `stream_interval`: at its first token, then once `interval` tokens are new."""
+    sent = seq.num_sent_tokens
+    return not sent or len(seq.request.output_token_ids) - sent >= interval
