@@ -68,6 +68,11 @@ class AsyncLLM:
         """The engine's stats as of its last step (a snapshot; never blocks)."""
         return dict(self._stats)
 
+    @property
+    def num_streams(self) -> int:
+        """Requests with a reader (their `generate` not left)."""
+        return len(self._streams)
+
     async def generate(self, prompt, sampling_params: SamplingParams | None = None,
                        request_id: str | None = None, *, priority: int = 0
                        ) -> AsyncIterator[RequestOutput]:
@@ -224,10 +229,10 @@ class AsyncLLM:
             return
         logger.critical("engine step failed; the engine is dead", exc_info=exc)
         self.dead = exc
+        for listener in self.dead_listeners:  # told before any stream sees the error
+            listener(exc)
         for request_id in list(self._streams):
             self._deliver(request_id, self._dead_error())
-        for listener in self.dead_listeners:
-            listener(exc)
 
 
 def _put_all(items: list[tuple[asyncio.Queue, object]]) -> None:

@@ -172,6 +172,10 @@ def _add_serve(subparsers) -> None:
     p.add_argument("--metrics-prefix", default="qwen_jax", choices=("qwen_jax", "vllm"),
                    help="name /metrics with vLLM's names (vllm:...) so vLLM dashboards and "
                         "autoscalers work unchanged (default: qwen_jax:...)")
+    p.add_argument("--engine-process", action=argparse.BooleanOptionalAction, default=True,
+                   help="step the engine in a process of its own, as vLLM's engine core, so "
+                        "the HTTP handlers and the engine loop do not share one GIL "
+                        "(multi-host leaders step in their own process)")
     add_engine_args(p)
     p.set_defaults(func=_run_serve)
 

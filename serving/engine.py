@@ -31,7 +31,7 @@ from serving.runner import (
 )
 from serving.sampler import NUM_BLOCKED, SamplingEntry, build_sampling_arrays, sampling_row
 from serving.scheduler import SchedulerOutput
-from serving.step_cost import StepShape
+from serving.step_cost import CostModel, StepShape
 from serving.structured import GrammarCompiler, Guide, MaskBuilder
 from serving.structured_params import StructuredOutputsParams
 
@@ -98,6 +98,11 @@ class LLMEngine:
     def devices(self) -> list:
         """The devices this replica runs on."""
         return [jax.devices()[0]] if self.mesh is None else list(self.mesh.devices.flat)
+
+    @property
+    def cost_model(self) -> CostModel:
+        """FLOPs and bytes per step of this engine's weights and KV cache (the metrics')."""
+        return CostModel.for_engine(self)
 
     @property
     def kv_capacity_tokens(self) -> int:
@@ -219,6 +224,11 @@ class LLMEngine:
 
     def request_ids(self) -> list[str]:
         return list(self._parents)
+
+    def request_prompt(self, request_id: str) -> tuple[str | None, list[int]]:
+        """A live request's prompt text (None when given as ids) and token ids."""
+        parent = self._parents[request_id]
+        return parent.prompt, parent.prompt_token_ids
 
     def has_unfinished_requests(self) -> bool:
         return bool(self._parents)

@@ -380,7 +380,7 @@ def metrics_for(llm, model_name: str, prefix: str = OWN) -> Metrics:
     """The metrics of a server over `llm` (an AsyncLLM): its engine's cost model and
     devices, and NVML's gauges when NVML answers."""
     engine = llm.engine
-    cost = CostModel.for_engine(engine)
+    cost = engine.cost_model
     devices = engine.devices
     metrics = Metrics(llm, model_name, prefix=prefix, max_model_len=engine.max_model_len,
                       cost_model=cost, peak=device_peak(devices[0].device_kind),

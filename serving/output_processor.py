@@ -184,9 +184,11 @@ class OutputProcessor:
     def completion(seq: SeqState) -> CompletionOutput:
         request = seq.request  # positional construction: this runs per request per step
         seq.num_sent_tokens = len(request.output_token_ids)
+        logprobs = seq.logprobs  # copied as the token ids are: later steps append to them
         return CompletionOutput(
             seq.index, seq.text, request.output_token_ids.copy(),
-            None if seq.logprobs is None else seq.cumulative_logprob, seq.logprobs,
+            None if logprobs is None else seq.cumulative_logprob,
+            None if logprobs is None else logprobs.copy(),
             FINISH_REASONS.get(request.status), request.stop_reason)
 
     @staticmethod
@@ -195,11 +197,13 @@ class OutputProcessor:
         in one call, as it is per streamed request per step."""
         request = seq.request
         seq.num_sent_tokens = len(request.output_token_ids)
+        logprobs = seq.logprobs
         return RequestOutput(
             parent.request_id, parent.prompt, parent.prompt_token_ids, parent.prompt_logprobs,
             [CompletionOutput(seq.index, seq.text, request.output_token_ids.copy(),
-                              None if seq.logprobs is None else seq.cumulative_logprob,
-                              seq.logprobs, None, request.stop_reason)],
+                              None if logprobs is None else seq.cumulative_logprob,
+                              None if logprobs is None else logprobs.copy(), None,
+                              request.stop_reason)],
             False, request.metrics, request.num_cached_tokens, parent.error)
 
     @staticmethod

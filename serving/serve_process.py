@@ -18,6 +18,7 @@ from aiohttp import web
 from serving import http_policy
 from serving.async_llm import AsyncLLM
 from serving.config import ServerConfig
+from serving.engine_process import MPAsyncLLM
 from serving.server import STATE, build_app
 
 logger = logging.getLogger("qwen_jax.server")
@@ -83,10 +84,22 @@ async def drain(app, runner, site, llm, timeout: float) -> None:
     await site.stop()
     if not await llm.wait_until_idle(timeout):
         logger.warning("shutdown timeout: aborting %d unfinished requests",
-                       len(llm.engine.request_ids()))
+                       llm.num_streams)
         await llm.abort_all()
     await runner.cleanup()
     logger.info("shut down cleanly")
+
+
+def start_engine(args, engine_kwargs: dict):
+    """The engine behind the server: in a process of its own (`--engine-process`, the
+    default) or on a thread of this one (multi-host leaders: the engine must step in the
+    process that joined jax.distributed)."""
+    if not args.engine_process or args.coordinator_address is not None:
+        return AsyncLLM(args.model, **engine_kwargs)
+    llm = MPAsyncLLM(args.model, **engine_kwargs)
+    import jax  # nothing here may take a GPU's memory: the engine process has it
+    jax.config.update("jax_platforms", "cpu")
+    return llm
 
 
 def run(args, engine_kwargs: dict) -> int:
@@ -106,7 +119,7 @@ def run(args, engine_kwargs: dict) -> int:
                           allowed_origins=http_policy.parse_origins(args.allowed_origins),
                           metrics_prefix=args.metrics_prefix)
     started = time.perf_counter()
-    llm = AsyncLLM(args.model, **engine_kwargs)
+    llm = start_engine(args, engine_kwargs)
     print(startup_report(llm, time.perf_counter() - started), flush=True)
     try:
         return asyncio.run(serve(llm, config))
