@@ -232,7 +232,6 @@ def async_engine_thread(model, num_seqs: int, steps: int, cache_dir,
     if chunks or whole:
         from benchmarks.stream_chunks import _NoEngine, streamed_job
         from serving.metrics import Metrics
-        from serving.openai_outputs import sse
         metrics = Metrics(_NoEngine(), "m")
 
     async def read(stream):
@@ -244,8 +243,7 @@ def async_engine_thread(model, num_seqs: int, steps: int, cache_dir,
             if whole:
                 job.add(0, output)
             elif job is not None:
-                for chunk in job.chunks(0, output):
-                    sse(chunk)
+                job.sse_chunks(0, output)
 
     readers: list[asyncio.Task] = []
 

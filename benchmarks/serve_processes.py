@@ -4,7 +4,7 @@ default), against a fake device step of d ms. Prints one JSON object.
 
 Each cell submits N streamed requests through `generate` (DELTA outputs, as the server
 asks), each read by a coroutine on an event loop that makes every output into a chat SSE
-chunk (the server's per-output work: `Job.chunks` and `sse`), while the engine decodes
+chunk (the server's per-output work: `Job.sse_chunks`), while the engine decodes
 them all against a fake device that takes d ms a step and lets the host run meanwhile.
 The figure is the engine's step period while all N decode: the median gap between the
 monotonic times at which consecutive steps' tokens reached the host (the step stats'
@@ -53,7 +53,6 @@ def install_fake_device(engine, device_ms: float) -> None:
 def served_cell(kind: str, args, num_seqs: int, device_ms: float) -> dict:
     from benchmarks.stream_chunks import _NoEngine, streamed_job
     from serving.metrics import Metrics
-    from serving.openai_outputs import sse
     from serving.request import SamplingParams
     warmup = 5
     max_tokens = args.steps + warmup + 40
@@ -89,8 +88,7 @@ def served_cell(kind: str, args, num_seqs: int, device_ms: float) -> dict:
         async for output in llm.generate({"prompt_token_ids": prompt}, params,
                                          request_id=str(i)):
             received[0] += 1
-            for chunk in job.chunks(0, output):
-                sse(chunk)
+            job.sse_chunks(0, output)
 
     async def run() -> None:
         await asyncio.gather(*(read(i, rng.integers(2, vocab, int(k)).tolist())

@@ -27,6 +27,12 @@ def sse(payload: dict) -> bytes:
     return b"data: " + _ENCODER.encode(payload).encode() + b"\n\n"
 
 
+# A JSON string as _ENCODER writes one (quoted, escaped, non-ASCII kept): chunk templates
+# put text in with it.
+_encode_string = json.encoder.encode_basestring  # type: ignore[attr-defined]
+_TEXT_SLOT = "qwen-jax-chunk-text-slot"
+
+
 async def merge(gens: list) -> AsyncGenerator[tuple[int, RequestOutput], None]:
     """(prompt index, output) from several AsyncLLM streams as they arrive. Closing or
     cancelling the merged stream closes every input stream, which aborts its request."""
@@ -156,6 +162,7 @@ class Job:
         self.trackers = [self.metrics.tracker(p) for p in self.params]
         self.choices: dict[int, Choice] = {}
         self.streams: dict[int, ReplyStream] = {}
+        self._templates: dict[int, tuple[bytes, bytes] | None] = {}  # see _template
 
     @property
     def chat(self) -> bool:
@@ -230,19 +237,44 @@ class Job:
             chunk["usage"] = None
         return chunk
 
-    def chunks(self, p: int, output: RequestOutput) -> list[dict]:
-        """SSE payloads for what `output` (DELTA) adds to prompt p's choices."""
+    def sse_chunks(self, p: int, output: RequestOutput) -> list[bytes]:
+        """SSE events for what `output` (DELTA) adds to prompt p's choices. A chunk that
+        holds only text (no role, reasoning, tool calls, logprobs or finish: nearly every
+        chunk of a stream) is its choice's template with the text put in; encoding the
+        whole chunk was ~40% of a chunk's cost."""
         out = []
+        plain = self.req.logprobs is None  # no logprobs asked: every chunk's are null
         for index, c, num_chars in self.add(p, output):
             finish = c.finish_reason
             if self.chat:
                 delta = self._delta(index, c.text, index not in self.streams, finish is not None)
                 finish = self.streams[index].finish_reason(finish)
-                out.append(self._chunk([self._choice(index, c, c.text, finish, delta=delta)]))
+                if plain and finish is None and len(delta) == 1 and "content" in delta:
+                    template = self._template(index)
+                    if template is not None:
+                        out.append(template[0] + _encode_string(delta["content"]).encode()
+                                   + template[1])
+                        continue
+                out.append(sse(self._chunk([self._choice(index, c, c.text, finish,
+                                                         delta=delta)])))
+            elif plain and finish is None and (template := self._template(index)) is not None:
+                out.append(template[0] + _encode_string(c.text).encode() + template[1])
             else:
-                out.append(self._chunk([self._choice(index, c, c.text, finish,
-                                                     text_offset=num_chars)]))
+                out.append(sse(self._chunk([self._choice(index, c, c.text, finish,
+                                                         text_offset=num_chars)])))
         return out
+
+    def _template(self, index: int) -> tuple[bytes, bytes] | None:
+        """The SSE event of a text-only chunk of choice `index`, cut where its text goes
+        (None if the id or model name holds the marker: such chunks are encoded whole)."""
+        templates = self._templates
+        if index not in templates:
+            slot = CompletionOutput(index, _TEXT_SLOT, [])
+            choice = (self._choice(index, slot, _TEXT_SLOT, None, delta={"content": _TEXT_SLOT})
+                      if self.chat else self._choice(index, slot, _TEXT_SLOT, None))
+            parts = sse(self._chunk([choice])).split(_encode_string(_TEXT_SLOT).encode())
+            templates[index] = (parts[0], parts[1]) if len(parts) == 2 else None
+        return templates[index]
 
     def _delta(self, index: int, text: str, first: bool, finished: bool) -> dict:
         stream = self.streams.get(index)

@@ -284,11 +284,11 @@ class OpenAIServer:
                                                "Cache-Control": "no-cache"})
         try:
             await response.prepare(request)
-            for chunk in job.chunks(*first):
-                await response.write(sse(chunk))
+            for event in job.sse_chunks(*first):
+                await response.write(event)
             async for index, output in outputs:
-                for chunk in job.chunks(index, output):
-                    await response.write(sse(chunk))
+                for event in job.sse_chunks(index, output):
+                    await response.write(event)
             if job.req.include_usage:
                 await response.write(sse(job.usage_chunk()))
         except asyncio.CancelledError:
