@@ -1,4 +1,5 @@
-"""`qwen-jax serve` as a real subprocess: start-up report, serving, SIGTERM drains and exits 0."""
+"""`qwen-jax serve` as a real subprocess: start-up report, serving, SIGTERM drains and exits 0,
+and its engine process (the default) stops with it."""
 
 from __future__ import annotations
 
@@ -52,8 +53,36 @@ def serve_process(tiny_model_dir, compile_cache):
         proc.wait()
 
 
+def engine_processes(parent: int) -> list[int]:
+    """Live children of `parent` running the engine (Linux /proc)."""
+    pids = []
+    for entry in os.listdir("/proc"):
+        if not entry.isdigit():
+            continue
+        try:
+            with open(f"/proc/{entry}/stat") as f:
+                fields = f.read().rsplit(")", 1)[1].split()
+            with open(f"/proc/{entry}/cmdline", "rb") as f:
+                cmdline = f.read()
+        except OSError:  # gone meanwhile
+            continue
+        if int(fields[1]) == parent and fields[0] != "Z" and b"serving.engine_process" in cmdline:
+            pids.append(int(entry))
+    return pids
+
+
+def alive(pid: int) -> bool:
+    try:
+        with open(f"/proc/{pid}/stat") as f:
+            return f.read().rsplit(")", 1)[1].split()[0] != "Z"
+    except OSError:
+        return False
+
+
 async def test_sigterm_finishes_in_flight_requests_and_exits_zero(serve_process):
     proc, port, lines = serve_process
+    engine = engine_processes(proc.pid)
+    assert len(engine) == 1  # the engine steps in a process of its own
     report = "".join(lines)
     assert "loaded in" in report and "compiled 4 (tokens, seqs) buckets" in report
     assert "KV cache:" in report and "tokens in" in report
@@ -79,3 +108,4 @@ async def test_sigterm_finishes_in_flight_requests_and_exits_zero(serve_process)
     with pytest.raises(aiohttp.ClientConnectionError):
         async with aiohttp.ClientSession() as s:
             await s.get(url + "/health")
+    assert not alive(engine[0])  # stopped by the server, not left behind
