@@ -13,6 +13,7 @@ _PUBLIC = {
     "Qwen3ForCausalLM": "qwen_jax.model",
     "LLM": "serving.llm",
     "AsyncLLM": "serving.async_llm",
+    "MPAsyncLLM": "serving.engine_process",
     "LLMEngine": "serving.engine",
     "SamplingParams": "serving.request",
     "RequestOutputKind": "serving.request",
