@@ -1,4 +1,6 @@
-"""AsyncLLM: the engine loop in a background thread, asyncio streams for callers.
+"""AsyncLLM: the engine loop in a background thread, asyncio streams for callers
+(`EngineClient` is what it shares with MPAsyncLLM, whose engine steps in a process of its
+own: serving/engine_process.py).
 
 Only the engine thread touches the engine: callers submit commands (add, abort) through a
 queue and await their result, and outputs come back on per-request asyncio queues.
@@ -20,10 +22,12 @@ import queue
 import threading
 import uuid
 from collections.abc import AsyncIterator, Callable
+from typing import Any
 
 from serving.engine import LLMEngine
+from serving.engine_config import EngineConfig
 from serving.llm import engine_config_from_kwargs
-from serving.request import RequestOutput, SamplingParams
+from serving.request import RequestMetrics, RequestOutput, SamplingParams
 
 logger = logging.getLogger(__name__)
 
@@ -36,28 +40,54 @@ class RequestFailedError(RuntimeError):
     """The engine failed this one request; it goes on serving the others."""
 
 
-class AsyncLLM:
-    def __init__(self, model: str | None = None, *, engine: LLMEngine | None = None, **kwargs):
-        if engine is None:
-            config = engine_config_from_kwargs(model, **kwargs)
-            if config.parallel.data_parallel_size > 1:
-                raise ValueError(
-                    f"data_parallel_size={config.parallel.data_parallel_size}: a server runs "
-                    "one replica; start one per replica and put a load balancer in front")
-            engine = LLMEngine(config)
-        self.engine = engine
-        self._commands: queue.SimpleQueue = queue.SimpleQueue()
-        self._wake = threading.Event()
-        self._streams: dict[str, tuple[asyncio.AbstractEventLoop, asyncio.Queue]] = {}
-        self._running = True
-        self.dead: BaseException | None = None
-        # Called on the engine thread after every step with (step stats, outputs).
-        self.step_listeners: list[Callable[[dict, list[RequestOutput]], None]] = []
-        # Called once, on the engine thread, with the exception that killed the engine.
-        self.dead_listeners: list[Callable[[BaseException], None]] = []
-        self._stats = self.engine.stats()
-        self._thread = threading.Thread(target=self._loop, name="qwen-jax-engine", daemon=True)
-        self._thread.start()
+def one_replica_config(model: str | None, **kwargs) -> EngineConfig:
+    """The EngineConfig of an async engine's keyword arguments: one replica (a server runs
+    one; data parallelism is several servers behind a load balancer)."""
+    config = engine_config_from_kwargs(model, **kwargs)
+    if config.parallel.data_parallel_size > 1:
+        raise ValueError(
+            f"data_parallel_size={config.parallel.data_parallel_size}: a server runs "
+            "one replica; start one per replica and put a load balancer in front")
+    return config
+
+
+class _Stream:
+    """A request's reader: its event loop and queue (and, for MPAsyncLLM, what its outputs
+    are rebuilt around)."""
+
+    __slots__ = ("loop", "queue", "prompt", "prompt_token_ids", "metrics")
+
+    def __init__(self, loop: asyncio.AbstractEventLoop, queue: asyncio.Queue):
+        self.loop, self.queue = loop, queue
+        self.prompt: str | None = None
+        self.prompt_token_ids: list[int] = []
+        self.metrics: RequestMetrics | None = None
+
+    def put(self, item) -> None:
+        """From any thread: `item` onto the queue, on its loop."""
+        try:
+            self.loop.call_soon_threadsafe(self.queue.put_nowait, item)
+        except RuntimeError:  # its event loop has closed: nobody is left to read it
+            pass
+
+
+class EngineClient:
+    """What AsyncLLM (engine on a thread) and MPAsyncLLM (engine in a process) share:
+    a stream per request, the calls the server makes, and how a dead engine reads.
+    Subclasses run an engine method by name (`_request`) and deliver step outputs."""
+
+    engine: Any
+    dead: BaseException | None = None
+    _streams: dict[str, _Stream]
+    _stats: dict
+
+    def _request(self, name: str, *args, **kwargs) -> concurrent.futures.Future:
+        """The engine's method `name` called with the arguments; its result as a future."""
+        raise NotImplementedError
+
+    def _final_output(self, stream: _Stream, value) -> RequestOutput:
+        """An abort's reply as the output its stream ends with."""
+        return value
 
     # ---- public API ---------------------------------------------------------------------
     @property
@@ -65,7 +95,7 @@ class AsyncLLM:
         return self.engine.tokenizer
 
     def stats(self) -> dict:
-        """The engine's stats as of its last step (a snapshot; never blocks)."""
+        """The engine's stats as of its last step or call (a snapshot; never blocks)."""
         return dict(self._stats)
 
     @property
@@ -84,14 +114,14 @@ class AsyncLLM:
         # must find it), so a second one must not replace it: the engine's check is too late.
         if request_id in self._streams:
             raise ValueError(f"request_id {request_id!r} is already in use")
-        stream: asyncio.Queue = asyncio.Queue()
-        self._streams[request_id] = (asyncio.get_running_loop(), stream)
+        stream = _Stream(asyncio.get_running_loop(), asyncio.Queue())
+        self._streams[request_id] = stream
         finished = False
         try:
-            await self._call(self.engine.add_request, request_id, prompt, sampling_params,
-                             priority=priority)
+            await asyncio.wrap_future(self._request("add_request", request_id, prompt,
+                                                    sampling_params, priority=priority))
             while True:
-                item = await stream.get()
+                item = await stream.queue.get()
                 if isinstance(item, BaseException):
                     finished = True
                     raise item
@@ -105,13 +135,14 @@ class AsyncLLM:
         finally:
             self._streams.pop(request_id, None)
             if not finished:
-                self._submit(self.engine.abort, request_id)
+                self._request("abort", request_id)
 
     async def abort(self, request_id: str) -> None:
         """Abort a request; its stream ends with a final output (finish_reason "abort")."""
-        final = await self._call(self.engine.abort, request_id)
-        if final is not None:
-            self._deliver(request_id, final)
+        final = await asyncio.wrap_future(self._request("abort", request_id))
+        stream = self._streams.get(request_id)
+        if final is not None and stream is not None:
+            stream.put(self._final_output(stream, final))
 
     async def wait_until_idle(self, timeout: float) -> bool:
         """True when no request is left within `timeout` seconds."""
@@ -119,7 +150,7 @@ class AsyncLLM:
         deadline = loop.time() + timeout
         while loop.time() < deadline:
             try:
-                if not await self._call(self.engine.has_unfinished_requests):
+                if not await asyncio.wrap_future(self._request("has_unfinished_requests")):
                     return True
             except EngineDeadError:  # never idle; its streams have had the error
                 return False
@@ -133,10 +164,36 @@ class AsyncLLM:
             except EngineDeadError:  # its streams have had the error already
                 return
 
+    def _dead_error(self) -> EngineDeadError:
+        return EngineDeadError(f"engine is dead after a failed step or exit ({self.dead!r}); "
+                               "the server must be restarted")
+
+
+class AsyncLLM(EngineClient):
+    def __init__(self, model: str | None = None, *, engine: LLMEngine | None = None, **kwargs):
+        if engine is None:
+            engine = LLMEngine(one_replica_config(model, **kwargs))
+        self.engine = engine
+        self._commands: queue.SimpleQueue = queue.SimpleQueue()
+        self._wake = threading.Event()
+        self._streams = {}
+        self._running = True
+        self.dead = None
+        # Called on the engine thread after every step with (step stats, outputs).
+        self.step_listeners: list[Callable[[dict, list[RequestOutput]], None]] = []
+        # Called once, on the engine thread, with the exception that killed the engine.
+        self.dead_listeners: list[Callable[[BaseException], None]] = []
+        self._stats = self.engine.stats()
+        self._thread = threading.Thread(target=self._loop, name="qwen-jax-engine", daemon=True)
+        self._thread.start()
+
     def shutdown(self) -> None:
         self._running = False
         self._wake.set()
         self._thread.join(timeout=10)
+
+    def _request(self, name: str, *args, **kwargs) -> concurrent.futures.Future:
+        return self._submit(getattr(self.engine, name), *args, **kwargs)
 
     # ---- engine thread -----------------------------------------------------------------
     def _submit(self, fn, *args, **kwargs) -> concurrent.futures.Future:
@@ -171,7 +228,7 @@ class AsyncLLM:
                 except Exception:  # an observer's bug must not stop the engine
                     logger.exception("step listener %r failed", listener)
             self._stats = self.engine.stats()
-            self._deliver_step(outputs)
+            deliver_step(self._streams, ((o.request_id, o) for o in outputs))
 
     def _run_commands(self) -> None:
         while True:
@@ -190,39 +247,6 @@ class AsyncLLM:
                 future.set_exception(exc)
         self._stats = self.engine.stats()
 
-    def _deliver_step(self, outputs: list[RequestOutput]) -> None:
-        """A step's outputs to their streams: one call into each event loop for all of them
-        (a `call_soon_threadsafe` per output costs ~4 us of this thread, a lock and a
-        write to the loop's self-pipe each: ~1 ms a step at 256 streams)."""
-        by_loop: dict[asyncio.AbstractEventLoop, list] = {}
-        streams = self._streams
-        for output in outputs:
-            target = streams.get(output.request_id)
-            if target is not None:
-                loop, stream = target
-                items = by_loop.get(loop)
-                if items is None:
-                    items = by_loop[loop] = []
-                items.append((stream, output))
-        for loop, items in by_loop.items():
-            try:
-                loop.call_soon_threadsafe(_put_all, items)
-            except RuntimeError:  # its event loop has closed: nobody is left to read them
-                pass
-
-    def _deliver(self, request_id: str, item) -> None:
-        target = self._streams.get(request_id)
-        if target is not None:
-            loop, stream = target
-            try:
-                loop.call_soon_threadsafe(stream.put_nowait, item)
-            except RuntimeError:  # its event loop has closed: nobody is left to read it
-                pass
-
-    def _dead_error(self) -> EngineDeadError:
-        return EngineDeadError(f"engine is dead after a failed step ({self.dead!r}); the "
-                               "server must be restarted")
-
     def _die(self, exc: Exception) -> None:
         if self.dead is not None:
             logger.exception("engine loop error after its death", exc_info=exc)
@@ -231,8 +255,27 @@ class AsyncLLM:
         self.dead = exc
         for listener in self.dead_listeners:  # told before any stream sees the error
             listener(exc)
-        for request_id in list(self._streams):
-            self._deliver(request_id, self._dead_error())
+        for stream in list(self._streams.values()):
+            stream.put(self._dead_error())
+
+
+def deliver_step(streams: dict[str, _Stream], outputs) -> None:
+    """(request id, output) pairs to their streams: one call into each event loop for all
+    of them (a `call_soon_threadsafe` per output costs ~4 us of the calling thread, a lock
+    and a write to the loop's self-pipe each: ~1 ms a step at 256 streams)."""
+    by_loop: dict[asyncio.AbstractEventLoop, list] = {}
+    for request_id, output in outputs:
+        stream = streams.get(request_id)
+        if stream is not None:
+            items = by_loop.get(stream.loop)
+            if items is None:
+                items = by_loop[stream.loop] = []
+            items.append((stream.queue, output))
+    for loop, items in by_loop.items():
+        try:
+            loop.call_soon_threadsafe(_put_all, items)
+        except RuntimeError:  # its event loop has closed: nobody is left to read them
+            pass
 
 
 def _put_all(items: list[tuple[asyncio.Queue, object]]) -> None:

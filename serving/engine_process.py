@@ -23,7 +23,6 @@ exits when the pipe closes, so it never outlives the API process.
 
 from __future__ import annotations
 
-import asyncio
 import concurrent.futures
 import dataclasses
 import functools
@@ -39,12 +38,17 @@ import subprocess
 import sys
 import threading
 import traceback
-import uuid
-from collections.abc import AsyncIterator, Callable
+from collections.abc import Callable
 from pathlib import Path
 
-from serving.async_llm import EngineDeadError, RequestFailedError, _put_all
-from serving.request import CompletionOutput, RequestMetrics, RequestOutput, SamplingParams
+from serving.async_llm import (
+    EngineClient,
+    EngineDeadError,
+    _Stream,
+    deliver_step,
+    one_replica_config,
+)
+from serving.request import CompletionOutput, RequestMetrics, RequestOutput
 
 logger = logging.getLogger(__name__)
 
@@ -105,32 +109,23 @@ def encode_output(output: RequestOutput) -> tuple:
             output.prompt_logprobs)
 
 
-class _Stream:
-    """A request's reader in the API process, and what its outputs are rebuilt around."""
-
-    __slots__ = ("loop", "queue", "prompt", "prompt_token_ids", "metrics")
-
-    def __init__(self, loop: asyncio.AbstractEventLoop, queue: asyncio.Queue):
-        self.loop, self.queue = loop, queue
-        self.prompt: str | None = None
-        self.prompt_token_ids: list[int] = []
-        self.metrics: RequestMetrics | None = None
-
-    def decode(self, item: tuple) -> RequestOutput:
-        request_id, completions, finished, times, num_cached, error, prompt_logprobs = item
-        if times is not None:
-            if self.metrics is None:
-                self.metrics = RequestMetrics(*times)
-            else:
-                m = self.metrics
-                (m.arrival_time, m.arrival_wall_time, m.first_scheduled_time,
-                 m.first_token_time, m.last_token_time, m.finished_time) = times
-        return RequestOutput(request_id, self.prompt, self.prompt_token_ids, prompt_logprobs,
-                             [CompletionOutput(*c) for c in completions], finished,
-                             self.metrics, num_cached, error)
+def decode_output(stream: _Stream, item: tuple) -> RequestOutput:
+    """`encode_output`'s tuple as the RequestOutput it was, around what the stream keeps:
+    the prompt, its ids and one RequestMetrics (updated in place, as the engine's is)."""
+    request_id, completions, finished, times, num_cached, error, prompt_logprobs = item
+    if times is not None:
+        if stream.metrics is None:
+            stream.metrics = RequestMetrics(*times)
+        else:
+            m = stream.metrics
+            (m.arrival_time, m.arrival_wall_time, m.first_scheduled_time,
+             m.first_token_time, m.last_token_time, m.finished_time) = times
+    return RequestOutput(request_id, stream.prompt, stream.prompt_token_ids, prompt_logprobs,
+                         [CompletionOutput(*c) for c in completions], finished,
+                         stream.metrics, num_cached, error)
 
 
-class MPAsyncLLM:
+class MPAsyncLLM(EngineClient):
     """`AsyncLLM` with the engine in a child process (same public interface: generate,
     abort, stats, tokenizer, engine, step and dead listeners, shutdown). `engine` is an
     `EngineInfo`: the engine's settings, not the engine."""
@@ -140,12 +135,7 @@ class MPAsyncLLM:
         """`kwargs`: AsyncLLM's engine arguments. `engine_hook`: (module, function, args),
         called as function(engine, *args) in the engine process once the engine is built
         (the benchmarks put a fake device in with it)."""
-        from serving.llm import engine_config_from_kwargs
-        config = engine_config_from_kwargs(model, **kwargs)  # bad arguments fail here
-        if config.parallel.data_parallel_size > 1:
-            raise ValueError(
-                f"data_parallel_size={config.parallel.data_parallel_size}: a server runs "
-                "one replica; start one per replica and put a load balancer in front")
+        config = one_replica_config(model, **kwargs)  # bad arguments fail here
         # A fresh interpreter (no forked jax state, no re-import of the caller's __main__),
         # one end of a socket pair as its pipe, the config as its first message.
         self._send_lock = threading.Lock()
@@ -191,76 +181,6 @@ class MPAsyncLLM:
         self._stats = stats
         return payload
 
-    # ---- public API (AsyncLLM's) ---------------------------------------------------------
-    @property
-    def tokenizer(self):
-        return self.engine.tokenizer
-
-    def stats(self) -> dict:
-        """The engine's stats as of its last step or call (a snapshot; never blocks)."""
-        return dict(self._stats)
-
-    @property
-    def num_streams(self) -> int:
-        return len(self._streams)
-
-    async def generate(self, prompt, sampling_params: SamplingParams | None = None,
-                       request_id: str | None = None, *, priority: int = 0
-                       ) -> AsyncIterator[RequestOutput]:
-        """As AsyncLLM.generate: the request's outputs until it finishes; leaving early
-        aborts it."""
-        request_id = request_id or uuid.uuid4().hex
-        if request_id in self._streams:
-            raise ValueError(f"request_id {request_id!r} is already in use")
-        stream = _Stream(asyncio.get_running_loop(), asyncio.Queue())
-        self._streams[request_id] = stream
-        finished = False
-        try:
-            await self._call("add_request", request_id, prompt, sampling_params,
-                             priority=priority)
-            while True:
-                item = await stream.queue.get()
-                if isinstance(item, BaseException):
-                    finished = True
-                    raise item
-                if item.error is not None:
-                    finished = True
-                    raise RequestFailedError(f"request {request_id} failed: {item.error}")
-                finished = item.finished
-                yield item
-                if finished:
-                    return
-        finally:
-            self._streams.pop(request_id, None)
-            if not finished:
-                self._submit("abort", request_id)
-
-    async def abort(self, request_id: str) -> None:
-        """Abort a request; its stream ends with a final output (finish_reason "abort")."""
-        final = await self._call("abort", request_id)
-        stream = self._streams.get(request_id)
-        if final is not None and stream is not None:
-            _deliver(stream, stream.decode(final))
-
-    async def wait_until_idle(self, timeout: float) -> bool:
-        loop = asyncio.get_running_loop()
-        deadline = loop.time() + timeout
-        while loop.time() < deadline:
-            try:
-                if not await self._call("has_unfinished_requests"):
-                    return True
-            except EngineDeadError:
-                return False
-            await asyncio.sleep(0.05)
-        return False
-
-    async def abort_all(self) -> None:
-        for request_id in list(self._streams):
-            try:
-                await self.abort(request_id)
-            except EngineDeadError:
-                return
-
     def shutdown(self) -> None:
         if self._process.poll() is None:
             try:
@@ -278,7 +198,7 @@ class MPAsyncLLM:
         with self._send_lock:
             self._conn.send_bytes(data)
 
-    def _submit(self, name: str, *args, **kwargs) -> concurrent.futures.Future:
+    def _request(self, name: str, *args, **kwargs) -> concurrent.futures.Future:
         future: concurrent.futures.Future = concurrent.futures.Future()
         if self.dead is not None:
             future.set_exception(self._dead_error())
@@ -292,8 +212,8 @@ class MPAsyncLLM:
             future.set_exception(EngineDeadError(f"engine process unreachable: {exc!r}"))
         return future
 
-    def _call(self, name: str, *args, **kwargs):
-        return asyncio.wrap_future(self._submit(name, *args, **kwargs))
+    def _final_output(self, stream: _Stream, value) -> RequestOutput:
+        return decode_output(stream, value)
 
     def _read(self) -> None:
         """The reader thread: the engine's answers and steps, in the order it sent them."""
@@ -337,17 +257,10 @@ class MPAsyncLLM:
     def _on_step(self, step_info: dict | None, stats: dict, encoded: list) -> None:
         streams = self._streams
         outputs: list[RequestOutput] = []
-        by_loop: dict[asyncio.AbstractEventLoop, list] = {}
         for item in encoded:
             stream = streams.get(item[0])
-            if stream is None:  # its reader has gone (an abort is on its way)
-                continue
-            output = stream.decode(item)
-            outputs.append(output)
-            items = by_loop.get(stream.loop)
-            if items is None:
-                items = by_loop[stream.loop] = []
-            items.append((stream.queue, output))
+            if stream is not None:  # else its reader has gone (an abort is on its way)
+                outputs.append(decode_output(stream, item))
         if step_info is not None:  # None: the call read no step's tokens
             for listener in self.step_listeners:
                 try:
@@ -355,15 +268,7 @@ class MPAsyncLLM:
                 except Exception:  # an observer's bug must not stop the outputs
                     logger.exception("step listener %r failed", listener)
         self._stats = stats
-        for loop, items in by_loop.items():
-            try:
-                loop.call_soon_threadsafe(_put_all, items)
-            except RuntimeError:  # its event loop has closed
-                pass
-
-    def _dead_error(self) -> EngineDeadError:
-        return EngineDeadError(f"engine is dead ({self.dead!r}); the server must be "
-                               "restarted")
+        deliver_step(streams, ((o.request_id, o) for o in outputs))
 
     def _die(self, exc: BaseException, quiet: bool = False) -> None:
         if self.dead is not None:
@@ -379,14 +284,7 @@ class MPAsyncLLM:
                 future.set_exception(error)
         self._calls.clear()
         for stream in list(self._streams.values()):
-            _deliver(stream, error)
-
-
-def _deliver(stream: _Stream, item) -> None:
-    try:
-        stream.loop.call_soon_threadsafe(stream.queue.put_nowait, item)
-    except RuntimeError:  # its event loop has closed
-        pass
+            stream.put(error)
 
 
 # ---- the engine process --------------------------------------------------------------------

@@ -98,7 +98,7 @@ async def test_errors_reach_the_caller_with_their_type_and_message(mp_llm):
     with pytest.raises(ValueError, match=r"prompt_token_ids\[1\] = 10000000"):
         await collect(mp_llm, {"prompt_token_ids": [5, 10_000_000]}, None, "bad-id")
     with pytest.raises(ValueError, match="unknown engine call 'step'"):
-        await mp_llm._call("step")  # only the calls the server makes cross the pipe
+        await asyncio.wrap_future(mp_llm._request("step"))  # only the server's calls cross
     outputs = await collect(mp_llm, "Hi", SamplingParams(max_tokens=3), "after-errors")
     assert outputs[-1].finished  # the engine goes on serving
 
