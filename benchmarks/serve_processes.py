@@ -12,6 +12,7 @@ monotonic times at which consecutive steps' tokens reached the host (the step st
 kinds run in turns, `--rounds` times.
 
     PYTHONPATH=. python benchmarks/serve_processes.py --seqs 64 256 --device-ms 5 12
+    PYTHONPATH=. python benchmarks/serve_processes.py --send-cost --seqs 256 --rounds 40
 """
 
 from __future__ import annotations
@@ -22,6 +23,7 @@ import json
 import statistics
 import sys
 import threading
+import time
 from pathlib import Path
 
 import numpy as np
@@ -40,6 +42,9 @@ def parse_args(argv=None):
     p.add_argument("--kinds", nargs="+", default=["thread", "process"],
                    choices=("thread", "process"))
     p.add_argument("--compilation-cache-dir", default="default")
+    p.add_argument("--send-cost", action="store_true",
+                   help="instead: the engine process's step and send at --seqs, outputs "
+                        "built as wire tuples against RequestOutputs (--rounds turns)")
     p.add_argument("--out", default=None)
     return p.parse_args(argv)
 
@@ -108,8 +113,53 @@ def served_cell(kind: str, args, num_seqs: int, device_ms: float) -> dict:
             "decode_steps": len(gaps), "outputs_read": received[0]}
 
 
+def send_cost(num_seqs: int, rounds: int, cache_dir) -> dict:
+    """The engine process's own work per step at `num_seqs` streamed DELTA decodes (instant
+    fake device): `engine.step()` and pickling its message, with the outputs built as the
+    wire tuples it sends (`wire_output`, what the engine process does) against built as
+    RequestOutputs and then taken apart into the same tuples. Two engines, turns of 5
+    steps, the order swapped every round; ms per step and the per-round ratio."""
+    import pickle
+
+    from benchmarks.engine_overlap import decoding_engine
+    from serving.engine_process import _completion_fields, wire_output
+
+    def taken_apart(o):
+        return wire_output(o.request_id, o.prompt, o.prompt_token_ids, o.prompt_logprobs,
+                           [(c.index, c.text, c.token_ids, c.cumulative_logprob, c.logprobs,
+                             c.finish_reason, c.stop_reason) for c in o.outputs],
+                           o.finished, o.metrics, o.num_cached_tokens, o.error)
+
+    engines = {kind: decoding_engine(None, num_seqs, 6 * rounds + 10, True, cache_dir,
+                                     output_kind="DELTA") for kind in ("objects", "wire")}
+    wire = engines["wire"].output_processor
+    wire.make_output, wire.make_completion = wire_output, _completion_fields
+    encode = {"objects": lambda outputs: [taken_apart(o) for o in outputs],
+              "wire": lambda outputs: outputs}
+    times: dict = {kind: [] for kind in engines}
+    for r in range(rounds):
+        for kind in (("objects", "wire") if r % 2 == 0 else ("wire", "objects")):
+            engine = engines[kind]
+            t = time.perf_counter()
+            for _ in range(5):
+                outputs = engine.step()
+                pickle.dumps(("step", engine.last_step, engine.stats(), encode[kind](outputs)),
+                             protocol=pickle.HIGHEST_PROTOCOL)
+            times[kind].append((time.perf_counter() - t) / 5)
+    ratios = sorted(w / o for w, o in zip(times["wire"], times["objects"]))
+    return {"seqs": num_seqs, "rounds": rounds,
+            "ms_per_step": {k: round(1e3 * statistics.median(v), 3) for k, v in times.items()},
+            "wire_over_objects": {"q1": round(ratios[len(ratios) // 4], 3),
+                                  "median": round(statistics.median(ratios), 3),
+                                  "q3": round(ratios[3 * len(ratios) // 4], 3)}}
+
+
 def main(argv=None) -> dict:
     args = parse_args(argv)
+    if args.send_cost:
+        report = {n: send_cost(n, args.rounds, args.compilation_cache_dir) for n in args.seqs}
+        print(json.dumps(report, indent=1))
+        return report
     report: dict = {"args": vars(args), "cells": {}}
     for n in args.seqs:
         for d in args.device_ms:

@@ -10,10 +10,11 @@ device step waits for it (docs/benchmarks.md, "The server's way at 256 streams")
 The wire: one duplex pipe of pickled messages. The API process sends calls (add a
 request, abort, queries) and the engine answers each in order, then sends one message
 per step holding the step's stats, the engine's stats and its outputs. An output travels
-as a tuple of what changes per step (`encode_output`): the client keeps each request's
-prompt, prompt ids and `RequestMetrics` and rebuilds the `RequestOutput` around them, as
-pickling whole outputs would copy every prompt each step (~4 ms a step at 256 streams,
-against ~0.2 ms for the tuples).
+as a tuple of what changes per step (`wire_output`, which the engine's output processor
+builds in place of the RequestOutput): the client keeps each request's prompt, prompt
+ids and `RequestMetrics` and rebuilds the `RequestOutput` around them, as pickling whole
+outputs would copy every prompt each step (~4 ms a step at 256 streams, against ~0.2 ms
+for the tuples).
 
 A step that raises, or an engine process that exits, makes the client dead as
 `AsyncLLM` does: every stream and later call gets `EngineDeadError` and `dead_listeners`
@@ -96,21 +97,21 @@ class EngineInfo:
                                list(self.eos_token_ids))
 
 
-def encode_output(output: RequestOutput) -> tuple:
-    """What a RequestOutput holds that its request's earlier outputs did not fix: the
-    completions, the metrics' times, the finish, the prompt logprobs (DELTA: once)."""
-    m = output.metrics
+def wire_output(request_id, prompt, prompt_token_ids, prompt_logprobs, completions,
+                finished, metrics, num_cached_tokens, error) -> tuple:
+    """A RequestOutput as the engine process sends it (OutputProcessor.make_output there):
+    what its request's earlier outputs did not fix, i.e. the completions (tuples of
+    CompletionOutput's fields: make_completion is `tuple` there), the metrics' times, the
+    finish and the prompt logprobs (DELTA: once). Not the prompt or its ids."""
+    m = metrics
     times = None if m is None else (m.arrival_time, m.arrival_wall_time, m.first_scheduled_time,
                                     m.first_token_time, m.last_token_time, m.finished_time)
-    return (output.request_id, [(c.index, c.text, c.token_ids, c.cumulative_logprob,
-                                 c.logprobs, c.finish_reason, c.stop_reason)
-                                for c in output.outputs],
-            output.finished, times, output.num_cached_tokens, output.error,
-            output.prompt_logprobs)
+    return (request_id, completions, finished, times, num_cached_tokens, error,
+            prompt_logprobs)
 
 
 def decode_output(stream: _Stream, item: tuple) -> RequestOutput:
-    """`encode_output`'s tuple as the RequestOutput it was, around what the stream keeps:
+    """`wire_output`'s tuple as the RequestOutput it was, around what the stream keeps:
     the prompt, its ids and one RequestMetrics (updated in place, as the engine's is)."""
     request_id, completions, finished, times, num_cached, error, prompt_logprobs = item
     if times is not None:
@@ -123,6 +124,10 @@ def decode_output(stream: _Stream, item: tuple) -> RequestOutput:
     return RequestOutput(request_id, stream.prompt, stream.prompt_token_ids, prompt_logprobs,
                          [CompletionOutput(*c) for c in completions], finished,
                          stream.metrics, num_cached, error)
+
+
+def _completion_fields(*fields) -> tuple:
+    return fields
 
 
 class MPAsyncLLM(EngineClient):
@@ -306,6 +311,9 @@ def _engine_main(fd: int) -> None:
 
     try:
         engine = LLMEngine(config)
+        # outputs built as what crosses the pipe, not as objects taken apart to send
+        engine.output_processor.make_output = wire_output
+        engine.output_processor.make_completion = _completion_fields
         if hook is not None:
             module, function, args = hook
             getattr(importlib.import_module(module), function)(engine, *args)
@@ -352,7 +360,7 @@ class _EngineLoop:
             try:
                 outputs = engine.step()
                 self.send(("step", engine.last_step or None, engine.stats(),
-                           [encode_output(o) for o in outputs]))
+                           outputs))
             except (EOFError, OSError):
                 return
             except Exception as exc:  # the step failed: the engine's state is untrusted
@@ -370,8 +378,6 @@ class _EngineLoop:
             value = getattr(engine, name)(*args, **kwargs)
             if name == "add_request":
                 value = ("added", args[0], *engine.request_prompt(args[0]))
-            elif name == "abort" and value is not None:
-                value = encode_output(value)
             reply = (True, value)
         except Exception as exc:
             reply = (False, _picklable(exc))

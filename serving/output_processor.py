@@ -4,7 +4,8 @@ logprobs, and gathering the n samples of a request into one RequestOutput."""
 from __future__ import annotations
 
 import dataclasses
-from typing import TYPE_CHECKING
+from collections.abc import Callable
+from typing import TYPE_CHECKING, Any
 
 from serving.detokenizer import IncrementalDetokenizer
 from serving.request import (
@@ -91,6 +92,12 @@ class ParentState:
 
 
 class OutputProcessor:
+    # What outputs are built with, from RequestOutput's and CompletionOutput's fields in
+    # order. The engine process builds its wire tuples with them instead of objects it
+    # would only take apart again (serving/engine_process.py).
+    make_output: Callable[..., Any] = RequestOutput
+    make_completion: Callable[..., Any] = CompletionOutput
+
     def __init__(self, tokenizer, eos_token_ids: tuple[int, ...]):
         self.tokenizer = tokenizer
         self.eos_token_ids = frozenset(eos_token_ids)
@@ -180,34 +187,31 @@ class OutputProcessor:
             return None
         return self.tokenizer.decode([token], skip_special_tokens=False)
 
-    @staticmethod
-    def completion(seq: SeqState) -> CompletionOutput:
+    def completion(self, seq: SeqState) -> CompletionOutput:
         request = seq.request  # positional construction: this runs per request per step
         seq.num_sent_tokens = len(request.output_token_ids)
         logprobs = seq.logprobs  # copied as the token ids are: later steps append to them
-        return CompletionOutput(
+        return self.make_completion(
             seq.index, seq.text, request.output_token_ids.copy(),
             None if logprobs is None else seq.cumulative_logprob,
             None if logprobs is None else logprobs.copy(),
             FINISH_REASONS.get(request.status), request.stop_reason)
 
-    @staticmethod
-    def streamed_output(parent: ParentState, seq: SeqState) -> RequestOutput:
+    def streamed_output(self, parent: ParentState, seq: SeqState) -> RequestOutput:
         """request_output(parent, False) of a request with one sample that goes on: built
         in one call, as it is per streamed request per step."""
         request = seq.request
         seq.num_sent_tokens = len(request.output_token_ids)
         logprobs = seq.logprobs
-        return RequestOutput(
+        return self.make_output(
             parent.request_id, parent.prompt, parent.prompt_token_ids, parent.prompt_logprobs,
-            [CompletionOutput(seq.index, seq.text, request.output_token_ids.copy(),
-                              None if logprobs is None else seq.cumulative_logprob,
-                              None if logprobs is None else logprobs.copy(), None,
-                              request.stop_reason)],
+            [self.make_completion(seq.index, seq.text, request.output_token_ids.copy(),
+                                  None if logprobs is None else seq.cumulative_logprob,
+                                  None if logprobs is None else logprobs.copy(), None,
+                                  request.stop_reason)],
             False, request.metrics, request.num_cached_tokens, parent.error)
 
-    @staticmethod
-    def delta_completion(seq: SeqState) -> CompletionOutput | None:
+    def delta_completion(self, seq: SeqState) -> CompletionOutput | None:
         """What `seq` adds to its previous DELTA output: its new token ids and their
         logprobs, its new text (the detokenizer's delta: held back while it may begin a
         stop string) and, once, its finish reason; None when it has nothing new. Costs
@@ -225,7 +229,7 @@ class OutputProcessor:
         logprobs = seq.logprobs
         if logprobs is not None:
             seq.logprobs = []  # the engine keeps no entry a DELTA output has handed over
-        return CompletionOutput(
+        return self.make_completion(
             seq.index, text, tokens[start:],
             None if logprobs is None else seq.cumulative_logprob, logprobs, finish,
             request.stop_reason)
@@ -236,7 +240,7 @@ class OutputProcessor:
         request = seq.request
         completion = self.delta_completion(seq)  # never None: it has a new token
         prompt_logprobs, parent.prompt_logprobs = parent.prompt_logprobs, None
-        return RequestOutput(
+        return self.make_output(
             parent.request_id, parent.prompt, parent.prompt_token_ids, prompt_logprobs,
             [] if completion is None else [completion], False, request.metrics,
             request.num_cached_tokens, parent.error)
@@ -252,7 +256,7 @@ class OutputProcessor:
             parent.prompt_logprobs = None
         else:
             completions = list(map(self.completion, children))
-        return RequestOutput(
+        return self.make_output(
             parent.request_id, parent.prompt, parent.prompt_token_ids, prompt_logprobs,
             completions, parent.finished if finished is None else finished, first.metrics,
             first.num_cached_tokens, parent.error)
