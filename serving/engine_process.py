@@ -101,8 +101,8 @@ def wire_output(request_id, prompt, prompt_token_ids, prompt_logprobs, completio
                 finished, metrics, num_cached_tokens, error) -> tuple:
     """A RequestOutput as the engine process sends it (OutputProcessor.make_output there):
     what its request's earlier outputs did not fix, i.e. the completions (tuples of
-    CompletionOutput's fields: make_completion is `tuple` there), the metrics' times, the
-    finish and the prompt logprobs (DELTA: once). Not the prompt or its ids."""
+    CompletionOutput's fields: `_completion_fields` is make_completion there), the metrics'
+    times, the finish and the prompt logprobs (DELTA: once). Not the prompt or its ids."""
     m = metrics
     times = None if m is None else (m.arrival_time, m.arrival_wall_time, m.first_scheduled_time,
                                     m.first_token_time, m.last_token_time, m.finished_time)
@@ -155,7 +155,7 @@ class MPAsyncLLM(EngineClient):
         self._conn = multiprocessing.connection.Connection(parent.detach())
         self._send(("start", config, logging.getLogger().level, engine_hook))
         self._streams: dict[str, _Stream] = {}
-        self._calls: dict[int, concurrent.futures.Future] = {}
+        self._calls: dict[int, tuple[str, concurrent.futures.Future]] = {}
         self._call_ids = itertools.count()
         self.dead: BaseException | None = None
         self.step_listeners: list[Callable[[dict, list[RequestOutput]], None]] = []
@@ -209,7 +209,7 @@ class MPAsyncLLM(EngineClient):
             future.set_exception(self._dead_error())
             return future
         call_id = next(self._call_ids)
-        self._calls[call_id] = future
+        self._calls[call_id] = name, future
         try:
             self._send(("call", call_id, name, args, kwargs))
         except (OSError, ValueError) as exc:  # the pipe is closed: the engine is gone
@@ -233,26 +233,31 @@ class MPAsyncLLM(EngineClient):
                 self._die(RuntimeError(f"the engine process exited (exit code {code})"))
                 return
             kind = message[0]
-            if kind == "step":
-                self._on_step(*message[1:])
-            elif kind == "reply":
-                self._on_reply(*message[1:])
-            elif kind == "dead":
-                self._die(message[1])
-            elif kind == "stopped":
-                self._die(RuntimeError("the engine process was shut down"), quiet=True)
+            try:
+                if kind == "step":
+                    self._on_step(*message[1:])
+                elif kind == "reply":
+                    self._on_reply(*message[1:])
+                elif kind == "dead":
+                    self._die(message[1])
+                elif kind == "stopped":
+                    self._die(RuntimeError("the engine process was shut down"), quiet=True)
+                    return
+            except Exception as exc:  # a bug here: never a silent hang of every stream
+                logger.exception("engine process message %r failed", kind)
+                self._die(exc)
                 return
 
     def _on_reply(self, call_id: int, ok: bool, value, stats: dict) -> None:
         self._stats = stats
-        future = self._calls.pop(call_id, None)
+        name, future = self._calls.pop(call_id, (None, None))
         if future is None or not future.set_running_or_notify_cancel():
             return
         if not ok:
             future.set_exception(value)
             return
-        if isinstance(value, tuple) and value and value[0] == "added":
-            _, request_id, prompt, prompt_ids = value  # before its first output is decoded
+        if name == "add_request":  # its prompt, before its first output is decoded
+            request_id, prompt, prompt_ids = value
             stream = self._streams.get(request_id)
             if stream is not None:
                 stream.prompt, stream.prompt_token_ids = prompt, prompt_ids
@@ -284,7 +289,7 @@ class MPAsyncLLM(EngineClient):
         for listener in () if quiet else self.dead_listeners:  # told before any caller
             listener(exc)
         error = self._dead_error()
-        for future in list(self._calls.values()):
+        for _, future in list(self._calls.values()):
             if future.set_running_or_notify_cancel():
                 future.set_exception(error)
         self._calls.clear()
@@ -359,8 +364,7 @@ class _EngineLoop:
                 continue
             try:
                 outputs = engine.step()
-                self.send(("step", engine.last_step or None, engine.stats(),
-                           outputs))
+                self.send(("step", engine.last_step or None, engine.stats(), outputs))
             except (EOFError, OSError):
                 return
             except Exception as exc:  # the step failed: the engine's state is untrusted
@@ -377,7 +381,7 @@ class _EngineLoop:
                 raise ValueError(f"unknown engine call {name!r}")
             value = getattr(engine, name)(*args, **kwargs)
             if name == "add_request":
-                value = ("added", args[0], *engine.request_prompt(args[0]))
+                value = (args[0], *engine.request_prompt(args[0]))
             reply = (True, value)
         except Exception as exc:
             reply = (False, _picklable(exc))

@@ -114,11 +114,12 @@ async def test_leaving_a_stream_aborts_it_and_frees_its_pages(mp_llm):
     await stream.aclose()
     stats = await wait_idle(mp_llm)
     assert stats["num_running"] == 0 and stats["num_used_pages"] == 0
-    # an explicit abort ends the stream with finish_reason "abort"
-    task = asyncio.ensure_future(collect(mp_llm, "Once", params, "aborted"))
+    # an explicit abort ends the stream with finish_reason "abort" (the id once read as
+    # a reply's marker: replies are matched by their call)
+    task = asyncio.ensure_future(collect(mp_llm, "Once", params, "added"))
     while not mp_llm.stats()["num_running"] and not task.done():
         await asyncio.sleep(0.01)
-    await mp_llm.abort("aborted")
+    await mp_llm.abort("added")
     outputs = await task
     assert outputs[-1].finished and outputs[-1].outputs[0].finish_reason == "abort"
     assert (await wait_idle(mp_llm))["num_used_pages"] == 0
