@@ -65,3 +65,19 @@ def test_serve_flags_reach_the_server_config():
         ServerConfig(enable_auto_tool_choice=True)
     with pytest.raises(ValueError, match="tool_call_parser"):
         ServerConfig(tool_call_parser="mistral")
+
+
+def test_serve_steps_the_engine_in_its_own_process_unless_told_or_multi_host(monkeypatch):
+    import jax
+
+    from serving import serve_process
+    from serving.cli import build_parser
+    built, platforms = [], []
+    monkeypatch.setattr(serve_process, "AsyncLLM", lambda *a, **k: built.append("thread"))
+    monkeypatch.setattr(serve_process, "MPAsyncLLM", lambda *a, **k: built.append("process"))
+    monkeypatch.setattr(jax.config, "update", lambda name, value: platforms.append(value))
+    for argv in (["serve"], ["serve", "--no-engine-process"],
+                 ["serve", "--coordinator-address", "host:1234"]):
+        serve_process.start_engine(build_parser().parse_args(argv), {})
+    assert built == ["process", "thread", "thread"]
+    assert platforms == ["cpu"]  # the server's process then keeps off the GPU
