@@ -221,7 +221,7 @@ def async_engine_thread(model, num_seqs: int, steps: int, cache_dir,
     import asyncio
     import threading
 
-    from serving.async_llm import AsyncLLM, _Stream
+    from serving.async_llm import AsyncLLM, RequestStream
     engine = decoding_engine(model, num_seqs, steps, True, cache_dir, stream=True,
                              output_kind=whole or "DELTA",  # what the server asks for
                              stream_interval=stream_interval)
@@ -250,7 +250,7 @@ def async_engine_thread(model, num_seqs: int, steps: int, cache_dir,
     async def start():
         streams = {}
         for request_id in engine.request_ids():
-            streams[request_id] = _Stream(loop, asyncio.Queue())
+            streams[request_id] = RequestStream(loop, asyncio.Queue())
             readers.append(loop.create_task(read(streams[request_id].queue)))
         return streams
 

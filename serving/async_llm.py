@@ -51,7 +51,7 @@ def one_replica_config(model: str | None, **kwargs) -> EngineConfig:
     return config
 
 
-class _Stream:
+class RequestStream:
     """A request's reader: its event loop and queue (and, for MPAsyncLLM, what its outputs
     are rebuilt around)."""
 
@@ -78,14 +78,14 @@ class EngineClient:
 
     engine: Any
     dead: BaseException | None = None
-    _streams: dict[str, _Stream]
+    _streams: dict[str, RequestStream]
     _stats: dict
 
     def _request(self, name: str, *args, **kwargs) -> concurrent.futures.Future:
         """The engine's method `name` called with the arguments; its result as a future."""
         raise NotImplementedError
 
-    def _final_output(self, stream: _Stream, value) -> RequestOutput:
+    def _final_output(self, stream: RequestStream, value) -> RequestOutput:
         """An abort's reply as the output its stream ends with."""
         return value
 
@@ -114,7 +114,7 @@ class EngineClient:
         # must find it), so a second one must not replace it: the engine's check is too late.
         if request_id in self._streams:
             raise ValueError(f"request_id {request_id!r} is already in use")
-        stream = _Stream(asyncio.get_running_loop(), asyncio.Queue())
+        stream = RequestStream(asyncio.get_running_loop(), asyncio.Queue())
         self._streams[request_id] = stream
         finished = False
         try:
@@ -259,7 +259,7 @@ class AsyncLLM(EngineClient):
             stream.put(self._dead_error())
 
 
-def deliver_step(streams: dict[str, _Stream], outputs) -> None:
+def deliver_step(streams: dict[str, RequestStream], outputs) -> None:
     """(request id, output) pairs to their streams: one call into each event loop for all
     of them (a `call_soon_threadsafe` per output costs ~4 us of the calling thread, a lock
     and a write to the loop's self-pipe each: ~1 ms a step at 256 streams)."""

@@ -22,6 +22,7 @@ from serving.request import (
     RequestOutputKind,
     RequestStatus,
     SamplingParams,
+    prompt_token_ids,
 )
 from serving.runner import (
     PendingStep,
@@ -109,28 +110,6 @@ class LLMEngine:
         return self.kv_manager.num_total_pages * self.page_size
 
     # ---- requests ----------------------------------------------------------------------
-    def tokenize_prompt(self, prompt) -> tuple[str | None, list[int]]:
-        """A string, a list of token ids, or {"prompt_token_ids": [...]} / {"prompt": str}."""
-        if isinstance(prompt, dict):
-            if "prompt_token_ids" in prompt:
-                prompt = list(prompt["prompt_token_ids"])
-            elif "prompt" in prompt:
-                prompt = prompt["prompt"]
-            else:
-                raise ValueError("prompt dict needs 'prompt_token_ids' or 'prompt'")
-        if isinstance(prompt, str):
-            if self.tokenizer is None:
-                raise ValueError(f"model {self.model_path} has no tokenizer files: pass "
-                                 "{'prompt_token_ids': [...]} instead of text")
-            return prompt, self.tokenizer.encode(prompt)
-        ids = list(prompt)
-        vocab = self.model_config.vocab_size
-        for i, t in enumerate(ids):
-            if not isinstance(t, (int, np.integer)) or isinstance(t, bool) or not 0 <= t < vocab:
-                raise ValueError(f"prompt_token_ids[{i}] = {t!r} is not a token id in "
-                                 f"[0, vocab_size={vocab})")
-        return None, [int(t) for t in ids]
-
     def add_request(self, request_id: str, prompt, sampling_params: SamplingParams | None = None,
                     *, priority: int = 0, arrival_time: float | None = None,
                     stream: bool = True) -> None:
@@ -143,7 +122,8 @@ class LLMEngine:
         # scheduler) while its others run, so the scheduler's own check cannot cover them.
         if request_id in self._parents:
             raise ValueError(f"request_id {request_id!r} is already in use")
-        text, ids = self.tokenize_prompt(prompt)
+        text, ids = prompt_token_ids(prompt, self.tokenizer, self.model_config.vocab_size,
+                                     self.model_path)
         blocked = self._blocked_ids(params)
         children = []
         try:

@@ -45,7 +45,7 @@ from pathlib import Path
 from serving.async_llm import (
     EngineClient,
     EngineDeadError,
-    _Stream,
+    RequestStream,
     deliver_step,
     one_replica_config,
 )
@@ -110,7 +110,7 @@ def wire_output(request_id, prompt, prompt_token_ids, prompt_logprobs, completio
             prompt_logprobs)
 
 
-def decode_output(stream: _Stream, item: tuple) -> RequestOutput:
+def decode_output(stream: RequestStream, item: tuple) -> RequestOutput:
     """`wire_output`'s tuple as the RequestOutput it was, around what the stream keeps:
     the prompt, its ids and one RequestMetrics (updated in place, as the engine's is)."""
     request_id, completions, finished, times, num_cached, error, prompt_logprobs = item
@@ -154,7 +154,7 @@ class MPAsyncLLM(EngineClient):
         child.close()
         self._conn = multiprocessing.connection.Connection(parent.detach())
         self._send(("start", config, logging.getLogger().level, engine_hook))
-        self._streams: dict[str, _Stream] = {}
+        self._streams: dict[str, RequestStream] = {}
         self._calls: dict[int, tuple[str, concurrent.futures.Future]] = {}
         self._call_ids = itertools.count()
         self.dead: BaseException | None = None
@@ -217,7 +217,7 @@ class MPAsyncLLM(EngineClient):
             future.set_exception(EngineDeadError(f"engine process unreachable: {exc!r}"))
         return future
 
-    def _final_output(self, stream: _Stream, value) -> RequestOutput:
+    def _final_output(self, stream: RequestStream, value) -> RequestOutput:
         return decode_output(stream, value)
 
     def _read(self) -> None:

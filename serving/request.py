@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import dataclasses
 import enum
+import numbers
 import time
 
 from qwen_jax.validation import require
@@ -17,6 +18,32 @@ MAX_LOGPROBS = 20
 
 def _is_int(value) -> bool:
     return isinstance(value, int) and not isinstance(value, bool)
+
+
+def prompt_token_ids(prompt, tokenizer, vocab_size: int, model_path=None
+                     ) -> tuple[str | None, list[int]]:
+    """(text or None, token ids) of a prompt: a string (encoded by `tokenizer`), a list of
+    token ids, or {"prompt_token_ids": [...]} / {"prompt": str}; ids are checked against
+    the vocabulary."""
+    if isinstance(prompt, dict):
+        if "prompt_token_ids" in prompt:
+            prompt = list(prompt["prompt_token_ids"])
+        elif "prompt" in prompt:
+            prompt = prompt["prompt"]
+        else:
+            raise ValueError("prompt dict needs 'prompt_token_ids' or 'prompt'")
+    if isinstance(prompt, str):
+        if tokenizer is None:
+            raise ValueError(f"model {model_path} has no tokenizer files: pass "
+                             "{'prompt_token_ids': [...]} instead of text")
+        return prompt, tokenizer.encode(prompt)
+    ids = list(prompt)
+    for i, t in enumerate(ids):  # numpy's integers are Integral too
+        if (not isinstance(t, numbers.Integral) or isinstance(t, bool)
+                or not 0 <= int(t) < vocab_size):
+            raise ValueError(f"prompt_token_ids[{i}] = {t!r} is not a token id in "
+                             f"[0, vocab_size={vocab_size})")
+    return None, [int(t) for t in ids]
 
 
 def _require_range(name: str, value: float, low: float, high: float) -> None:
