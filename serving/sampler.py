@@ -20,6 +20,7 @@ from serving.request import SAMPLING_EPS, SamplingParams
 from serving.sampling_draw import gumbel_max, softmax_draw
 from serving.structured import TokenMask, inactive_mask
 from serving.vocab_blocks import block_argmax, block_top_k
+from serving.vocab_threshold import top_k_mask, top_p_mask
 
 jax.tree_util.register_dataclass(TokenMask, data_fields=["active", "bits"], meta_fields=[])
 
@@ -183,15 +184,20 @@ NUM_FEW_CANDIDATES = 64  # ... and before them: enough for common top-k and peak
 
 def _keep(sorted_logits, log_normalizer, sa: SamplingArrays):
     """Top-k, then top-p and min-p over a row's tokens sorted most likely first (all of
-    them or a prefix): the logits kept (-inf elsewhere), and the probabilities."""
+    them or a prefix): the logits kept (-inf elsewhere), and each token's share of the
+    mass of the tokens more likely than it. Top-p keeps a token when that share is below
+    top_p: a tie keeps or drops all of its tokens (as `vocab_threshold.top_p_mask`)."""
     width = sorted_logits.shape[-1]
     rank = jnp.arange(width)[None, :]
     masked = jnp.where((rank < sa.top_k[:, None]) | (sa.top_k[:, None] <= 0), sorted_logits,
                        -jnp.inf)
     probs = jnp.exp(masked - log_normalizer[:, None])
-    before = jnp.cumsum(probs, axis=-1) - probs  # mass strictly above each token
-    keep = (before < sa.top_p[:, None]) & (probs >= sa.min_p[:, None] * probs[:, :1])
-    return jnp.where(keep | (rank == 0), masked, -jnp.inf), probs
+    before = jnp.cumsum(probs, axis=-1) - probs  # mass before each token, ties' included
+    first = jnp.concatenate([jnp.ones_like(masked[:, :1], bool),
+                             masked[:, 1:] != masked[:, :-1]], axis=-1)  # a tie's first
+    above = jax.lax.cummax(jnp.where(first, before, 0.0), axis=1)  # `before` never falls
+    keep = (above < sa.top_p[:, None]) & (probs >= sa.min_p[:, None] * probs[:, :1])
+    return jnp.where(keep | (rank == 0), masked, -jnp.inf), probs, above
 
 
 def _choose(kept, ids, sa: SamplingArrays):
@@ -204,32 +210,49 @@ def _sorted_sample(scaled, sa: SamplingArrays):
     sorted_logits, sorted_ids = jax.lax.top_k(scaled, scaled.shape[-1])  # [S, V] descending
     masked = jnp.where((jnp.arange(scaled.shape[-1])[None, :] < sa.top_k[:, None])
                        | (sa.top_k[:, None] <= 0), sorted_logits, -jnp.inf)
-    kept, _ = _keep(sorted_logits, jax.nn.logsumexp(masked, axis=-1), sa)
+    kept, _, _ = _keep(sorted_logits, jax.nn.logsumexp(masked, axis=-1), sa)
     return _choose(kept, sorted_ids, sa)
 
 
 def _filtered_sample(scaled, sa: SamplingArrays, rows):
-    """Top-k, then top-p and min-p; Gumbel-max over what is kept. `rows`: the rows whose
-    token counts. They look at the NUM_FEW_CANDIDATES most likely tokens first, then at
-    NUM_CANDIDATES (partial top-k, not a sort of the vocabulary), as long as those decide
-    every such row: top-k within them, or they hold top-p's mass, or the last is below
-    min-p's floor. Otherwise the whole vocabulary is sorted. Either way the same tokens
-    are kept."""
+    """Top-k, then top-p and min-p; a draw from what is kept. `rows`: the rows whose
+    token counts. Each row looks at its NUM_FEW_CANDIDATES most likely tokens first, then
+    at NUM_CANDIDATES (partial top-k, not a sort of the vocabulary), and takes the first
+    of them that decides it: top-k within them, or they hold top-p's mass, or the last is
+    below min-p's floor; Gumbel-max over what is kept. A row neither decides (a flat
+    distribution, a top-k past them) gets its thresholds over the whole vocabulary
+    (`_threshold_sample`). Each part runs only when some row needs it, and a row's path
+    (so its token) depends on that row alone. A vocabulary of at most NUM_CANDIDATES
+    tokens is sorted."""
     if scaled.shape[-1] <= NUM_CANDIDATES:
         return _sorted_sample(scaled, sa)
 
-    def wider():
-        kept, top_ids, decided = _candidates(scaled, sa, NUM_CANDIDATES)
-        return jax.lax.cond(jnp.all(decided | ~rows), lambda: _choose(kept, top_ids, sa),
-                            lambda: _sorted_sample(scaled, sa))
+    few, few_ids, few_decided, few_probs = _candidates(scaled, sa, NUM_FEW_CANDIDATES)
+    token = _choose(few, few_ids, sa)
+    # Rows the wider candidates might decide: top-k within them, min-p, or a top-p that
+    # their mass could reach (each token past the few at most as likely as the last).
+    reach = jnp.sum(few_probs, axis=-1) + (NUM_CANDIDATES - NUM_FEW_CANDIDATES) * few_probs[:, -1]
+    maybe = ((sa.top_k > NUM_FEW_CANDIDATES) & (sa.top_k <= NUM_CANDIDATES)) | (
+        (sa.top_k <= 0) & ((sa.min_p > 0) | (reach * (1 + 1e-3) >= sa.top_p)))
 
-    kept, top_ids, decided = _candidates(scaled, sa, NUM_FEW_CANDIDATES)
-    return jax.lax.cond(jnp.all(decided | ~rows), lambda: _choose(kept, top_ids, sa), wider)
+    def wider():
+        kept, ids, decided, _ = _candidates(scaled, sa, NUM_CANDIDATES)
+        return jnp.where(decided, _choose(kept, ids, sa), -1)
+
+    def rest():  # rows neither decides: the whole vocabulary
+        wide = jax.lax.cond(jnp.any(maybe & ~few_decided & rows), wider,
+                            lambda: jnp.full_like(token, -1))
+        wide = jnp.where(few_decided, token, wide)
+        return jax.lax.cond(jnp.all((wide >= 0) | ~rows), lambda: wide,
+                            lambda: jnp.where(wide >= 0, wide, _threshold_sample(scaled, sa)))
+
+    return jax.lax.cond(jnp.all(few_decided | ~rows), lambda: token, rest)
 
 
 def _candidates(scaled, sa: SamplingArrays, width: int = NUM_CANDIDATES):
     """The `width` most likely tokens of each row: what the filters keep of them, their
-    ids, and whether they decide the row (nothing past them could be kept)."""
+    ids, whether they decide the row (nothing past them could be kept), and their
+    probabilities."""
     top_logits, top_ids = block_top_k(scaled, width)
     k_inside = (sa.top_k > 0) & (sa.top_k <= width)
     topk_masked = jnp.where(jnp.arange(width)[None, :] < sa.top_k[:, None], top_logits,
@@ -243,11 +266,37 @@ def _candidates(scaled, sa: SamplingArrays, width: int = NUM_CANDIDATES):
     whole = jax.lax.cond(jnp.all(k_inside), lambda: jnp.zeros(scaled.shape[0], scaled.dtype),
                          lambda: (jnp.log(jnp.sum(jnp.exp(scaled - top), axis=-1)) + top[:, 0]))
     normalizer = jnp.where(k_inside, jax.nn.logsumexp(topk_masked, axis=-1), whole)
-    kept, probs = _keep(top_logits, normalizer, sa)
+    kept, probs, above = _keep(top_logits, normalizer, sa)
+    # Top-p: the last candidate is dropped (so is any token past it, as likely or less).
     decided = k_inside | ((sa.top_k <= 0) & (
-        ((sa.top_p < 1) & (jnp.sum(probs, axis=-1) >= sa.top_p))
+        ((sa.top_p < 1) & (above[:, -1] >= sa.top_p))
         | ((sa.min_p > 0) & (probs[:, -1] < sa.min_p * probs[:, 0]))))
-    return kept, top_ids, decided
+    return kept, top_ids, decided, probs
+
+
+def _threshold_sample(scaled, sa: SamplingArrays):
+    """A draw (`softmax_draw`) from what `_threshold_kept` keeps."""
+    kept = _threshold_kept(scaled, sa)
+    return softmax_draw(jnp.where(kept, scaled, -jnp.inf), sa.seed, sa.output_index)
+
+
+def _threshold_kept(scaled, sa: SamplingArrays):
+    """bool[R, V]: top-k, then top-p and min-p over the whole vocabulary by thresholds
+    (`vocab_threshold`: radix selects, no sort): the tokens `_keep` keeps, up to float32
+    rounding of the sums at top-p's edge."""
+    vocab = scaled.shape[-1]
+    wide_k = (sa.top_k > 0) & (sa.top_k < vocab)
+    every = jnp.ones(scaled.shape, bool)
+    in_top_k = jax.lax.cond(jnp.any(wide_k),
+                            lambda: top_k_mask(scaled, jnp.where(wide_k, sa.top_k, 0)),
+                            lambda: every)
+    # each token's weight relative to the most likely (always in the top k): in [0, 1]
+    top = jnp.max(scaled, axis=-1, keepdims=True)
+    weight = jnp.where(in_top_k, jnp.exp(scaled - jnp.where(jnp.isfinite(top), top, 0.0)), 0.0)
+    cut = sa.top_p < 1
+    in_top_p = jax.lax.cond(jnp.any(cut), lambda: top_p_mask(weight, sa.top_p) | ~cut[:, None],
+                            lambda: every)
+    return in_top_k & in_top_p & (weight >= sa.min_p[:, None])
 
 
 def _random_sample(scaled, sa: SamplingArrays):

@@ -1,6 +1,7 @@
 """The device sampler: greedy, temperature, top-k/top-p/min-p, penalties, seeds, logprobs."""
 
 import jax
+import jax.numpy as jnp
 import numpy as np
 import pytest
 
@@ -181,27 +182,112 @@ def test_softmax_draw_follows_the_softmax():
     np.testing.assert_array_equal(again, tokens[:4])  # a pure function of (seed, index)
 
 
+def _sorted_kept(scaled, sa):
+    """bool[R, V]: what the full sort's filters keep of each row's finite logits."""
+    from serving.sampler import _keep
+    vocab = scaled.shape[-1]
+    sorted_logits, ids = jax.lax.top_k(scaled, vocab)
+    masked = jnp.where((jnp.arange(vocab)[None, :] < sa.top_k[:, None]) | (sa.top_k[:, None] <= 0),
+                       sorted_logits, -jnp.inf)
+    kept = jnp.isfinite(_keep(sorted_logits, jax.nn.logsumexp(masked, axis=-1), sa)[0])
+    return jnp.zeros(scaled.shape, bool).at[jnp.arange(scaled.shape[0])[:, None], ids].set(kept)
+
+
 @pytest.mark.parametrize("peaked", [True, False])
 def test_candidate_filtering_keeps_what_the_full_sort_keeps(peaked):
-    """Over a vocabulary wider than NUM_CANDIDATES, top-k / top-p / min-p rows draw the same
-    token whether the candidates decide (peaked logits, as a trained model's) or the whole
-    vocabulary is sorted (flat logits: the candidates cannot hold top-p's mass)."""
-    from serving.sampler import NUM_CANDIDATES, _candidates, _filtered_sample, _sorted_sample
-    vocab, rows = 3 * NUM_CANDIDATES + 5, 48
+    """Over a vocabulary wider than NUM_CANDIDATES, rows the candidates decide (peaked
+    logits, as a trained model's; top-k within them) draw the full sort's token; the
+    others (flat logits: the candidates cannot hold top-p's mass; top-k past them) keep,
+    by thresholds over the whole vocabulary, exactly the tokens the full sort keeps, and
+    draw one of them."""
+    from serving.sampler import (
+        NUM_CANDIDATES,
+        _candidates,
+        _filtered_sample,
+        _sorted_sample,
+        _threshold_kept,
+    )
+    vocab, rows = 3 * NUM_CANDIDATES + 5, 60
     rng = np.random.default_rng(3)
     logits = rng.normal(size=(rows, vocab)) * (6.0 if peaked else 0.05)
     params = [SamplingParams(temperature=0.8, top_p=0.9), SamplingParams(top_k=50),
-              SamplingParams(min_p=0.05), SamplingParams(top_k=40, top_p=0.5, min_p=0.01)]
-    entries = [SamplingEntry(params[i % 4], 100 + i, i, (), None, 0) for i in range(rows)]
+              SamplingParams(min_p=0.05), SamplingParams(top_k=40, top_p=0.5, min_p=0.01),
+              SamplingParams(top_k=NUM_CANDIDATES + 500, top_p=0.95)]
+    entries = [SamplingEntry(params[i % 5], 100 + i, i, (), None, 0) for i in range(rows)]
     sa = build_sampling_arrays(entries, rows, 16, vocab)
     scaled = np.asarray(logits / sa.temperature[:, None], np.float32)
-    rows_mask = np.ones(rows, bool)
-    fast = jax.device_get(jax.jit(_filtered_sample)(scaled, sa, rows_mask))
+    fast = jax.device_get(jax.jit(_filtered_sample)(scaled, sa, np.ones(rows, bool)))
     full = jax.device_get(jax.jit(_sorted_sample)(scaled, sa))
-    np.testing.assert_array_equal(fast, full)
-    assert len(set(fast.tolist())) > 1
     decided = np.asarray(jax.jit(_candidates)(scaled, sa)[2])
-    assert decided.all() if peaked else not decided[::4].any()  # flat: top-p rows fall back
+    np.testing.assert_array_equal(fast[decided], full[decided])
+    assert len(set(fast.tolist())) > 1
+    kept = np.asarray(jax.jit(_sorted_kept)(scaled, sa))
+    np.testing.assert_array_equal(np.asarray(jax.jit(_threshold_kept)(scaled, sa))[~decided],
+                                  kept[~decided])
+    assert kept[np.arange(rows), fast].all()
+    assert not decided[4::5].any()  # top-k past the candidates
+    assert decided[:4].all() if peaked else not decided[::5].any()  # flat: top-p falls back
+    if not peaked:
+        assert kept[::5].sum(axis=-1).min() > NUM_CANDIDATES  # top-p's set is that wide
+
+
+def test_top_k_mask_keeps_what_top_k_keeps():
+    """The radix select's top k: lax.top_k's ids, ties broken towards the lower id, rows
+    of -inf, k of 0 (off) and k past the vocabulary."""
+    from serving.vocab_threshold import top_k_mask
+    vocab = 3000
+    x = np.random.default_rng(9).integers(-3, 4, size=(6, vocab)).astype(np.float32)
+    x[1, :] = -np.inf
+    x[1, [5, 77]] = -2.5
+    x[2] = np.random.default_rng(10).normal(size=vocab).astype(np.float32)
+    x[3, ::2] = -0.0  # below 0.0, as lax.top_k orders them
+    k = np.array([1, 5, 1700, 2999, 0, vocab + 4], np.int32)
+    got = np.asarray(jax.jit(top_k_mask)(x, k))
+    for row in range(6):
+        want = np.zeros(vocab, bool)
+        if 0 < k[row] < vocab:
+            want[np.asarray(jax.lax.top_k(x[row], int(k[row]))[1])] = True
+        else:
+            want[:] = True
+        np.testing.assert_array_equal(got[row], want, err_msg=f"row {row}")
+
+
+def test_top_p_mask_keeps_the_smallest_most_likely_set_holding_p():
+    """Against float64 sums: a token stays when the tokens more likely than it hold less
+    than top_p; ties at the edge stay whole; top-p's edge found bit by bit."""
+    from serving.vocab_threshold import top_p_mask
+    rng = np.random.default_rng(11)
+    weights = np.exp(rng.normal(size=(5, 5000)) * np.array([[0.05], [1.0], [3.0], [0.0], [8.0]]))
+    weights = (weights / weights.max(axis=-1, keepdims=True)).astype(np.float32)
+    top_p = np.array([0.9, 0.5, 0.99, 0.3, 0.999], np.float32)
+    got = np.asarray(jax.jit(top_p_mask)(weights, top_p))
+    for row in range(5):
+        w = weights[row].astype(np.float64)
+        above = np.array([w[w > v].sum() for v in np.unique(w)])
+        edge = np.unique(w)[above < top_p[row] * w.sum()].min()
+        np.testing.assert_array_equal(got[row], w >= edge, err_msg=f"row {row}")
+    assert got[3].all()  # a tie of every token
+
+
+def test_a_rows_token_never_depends_on_its_neighbours(monkeypatch):
+    """Seeded rows of one step, flat (the whole-vocabulary thresholds) and peaked (the
+    candidates), draw the same token alone, in CPU chunks and all in one pass."""
+    import serving.sampler as sampler
+    vocab = 3 * sampler.NUM_CANDIDATES + 5
+    rng = np.random.default_rng(12)
+    logits = (rng.normal(size=(6, vocab)) * np.array([[0.05], [6.0]] * 3)).astype(np.float32)
+    params = [SamplingParams(temperature=0.8, top_p=0.9, seed=1),
+              SamplingParams(temperature=0.8, top_p=0.9, seed=2),
+              SamplingParams(temperature=1.0, top_k=2500, seed=3)]
+    entries = [SamplingEntry(params[i // 2], 400 + i, 3, (), None, 0) for i in range(6)]
+    sa = build_sampling_arrays(entries, 6, 16, vocab)
+    together = jax.device_get(jax.jit(sample)(logits, sa).token_ids)
+    monkeypatch.setattr(sampler, "CPU_ROW_CHUNK", 6)
+    one_pass = jax.device_get(jax.jit(sample)(logits, sa).token_ids)
+    alone = [int(jax.jit(sample)(logits[i:i + 1], build_sampling_arrays(
+        entries[i:i + 1], 1, 16, vocab)).token_ids[0]) for i in range(6)]
+    np.testing.assert_array_equal(together, alone)
+    np.testing.assert_array_equal(one_pass, alone)
 
 
 @pytest.mark.parametrize("k,vocab", [(64, 100 * 128 + 37), (16, 70_000)])
@@ -238,8 +324,9 @@ def test_block_argmax_equals_argmax():
 @pytest.mark.parametrize("spread", [6.0, 1.0])
 def test_few_candidates_draw_what_the_full_sort_draws(spread):
     """Over a vocabulary wide enough for the block search, rows decided by the few
-    candidates (spread 6: peaked) and rows that need the wider ones (spread 1: top-p 0.9
-    needs more than 64 tokens) draw the full sort's tokens."""
+    candidates (spread 6: peaked) and rows that need the wider ones (top-k 65) draw the
+    full sort's tokens; rows neither decides (spread 1: top-p 0.9 needs more than 1,024
+    tokens) draw one the full sort keeps."""
     from serving.sampler import NUM_FEW_CANDIDATES, _candidates, _filtered_sample, _sorted_sample
     vocab, rows = 40_000, 16
     logits = np.random.default_rng(5).normal(size=(rows, vocab)) * spread
@@ -250,11 +337,16 @@ def test_few_candidates_draw_what_the_full_sort_draws(spread):
     sa = build_sampling_arrays(entries, rows, 16, vocab)
     scaled = np.asarray(logits / sa.temperature[:, None], np.float32)
     fast = jax.device_get(jax.jit(_filtered_sample)(scaled, sa, np.ones(rows, bool)))
-    np.testing.assert_array_equal(fast, jax.device_get(jax.jit(_sorted_sample)(scaled, sa)))
+    full = jax.device_get(jax.jit(_sorted_sample)(scaled, sa))
     decided = np.asarray(jax.jit(_candidates, static_argnums=2)(scaled, sa,
                                                                 NUM_FEW_CANDIDATES)[2])
     assert decided[::4].all() and not decided[3::4].any()  # top-k 50 inside, 65 not
     assert decided[1::4].all() if spread == 6.0 else not decided[1::4].any()
+    wider = np.asarray(jax.jit(_candidates)(scaled, sa)[2])  # NUM_CANDIDATES
+    np.testing.assert_array_equal(fast[wider], full[wider])
+    # spread 1: top-p 0.9 needs more than NUM_CANDIDATES too (whole-vocabulary thresholds)
+    assert wider.all() if spread == 6.0 else not wider[1::4].any()
+    assert np.asarray(jax.jit(_sorted_kept)(scaled, sa))[np.arange(rows), fast].all()
 
 
 def test_row_chunks_sample_what_one_pass_samples(monkeypatch):
