@@ -328,7 +328,8 @@ def token_logprobs(logprobs: jax.Array, tokens: jax.Array) -> TokenLogprobs:
     """logprobs: f32[R, V] (log-softmax); tokens: int[R] -> each row's chosen token's
     logprob and rank, and the row's NUM_TOP_LOGPROBS most likely tokens."""
     token_lp = jnp.take_along_axis(logprobs, tokens[:, None], axis=-1)[:, 0]
-    top_logprobs, top_ids = jax.lax.top_k(logprobs, min(NUM_TOP_LOGPROBS, logprobs.shape[-1]))
+    # lax.top_k's values, ids and tie order through block maxima (~4x cheaper on CPU)
+    top_logprobs, top_ids = block_top_k(logprobs, min(NUM_TOP_LOGPROBS, logprobs.shape[-1]))
     rank = 1 + jnp.sum(logprobs > token_lp[:, None], axis=-1)
     return TokenLogprobs(logprob=token_lp, rank=rank.astype(jnp.int32),
                          top_ids=top_ids.astype(jnp.int32), top_logprobs=top_logprobs)
