@@ -27,7 +27,7 @@ from typing import Any
 from serving.engine import LLMEngine
 from serving.engine_config import EngineConfig
 from serving.llm import engine_config_from_kwargs
-from serving.request import RequestMetrics, RequestOutput, SamplingParams
+from serving.request import RequestMetrics, RequestOutput, RequestOutputKind, SamplingParams
 
 logger = logging.getLogger(__name__)
 
@@ -107,7 +107,8 @@ class EngineClient:
                        request_id: str | None = None, *, priority: int = 0
                        ) -> AsyncIterator[RequestOutput]:
         """Stream the request's RequestOutputs until it finishes, each as its
-        `output_kind` says (cumulative by default; the server asks for DELTA). Leaving the
+        `output_kind` says (cumulative by default; the server asks for DELTA); what waited
+        for a reader that fell behind comes as one (`RequestOutput.add`). Leaving the
         loop early (or cancelling the task) aborts the request and frees its pages."""
         request_id = request_id or uuid.uuid4().hex
         # The stream is registered before the engine sees the request (its first output
@@ -116,18 +117,34 @@ class EngineClient:
             raise ValueError(f"request_id {request_id!r} is already in use")
         stream = RequestStream(asyncio.get_running_loop(), asyncio.Queue())
         self._streams[request_id] = stream
+        # A reader that fell behind gets what is waiting as one output (vLLM's collector):
+        # DELTA outputs added up, a CUMULATIVE one replaced by the latest. The server then
+        # writes one chunk for them, not one each: under load it catches up.
+        aggregate = (sampling_params is not None
+                     and sampling_params.output_kind == RequestOutputKind.DELTA)
+        queue = stream.queue
         finished = False
+        later = None  # an error taken from the queue behind outputs: raised after them
         try:
             await asyncio.wrap_future(self._request("add_request", request_id, prompt,
                                                     sampling_params, priority=priority))
             while True:
-                item = await stream.queue.get()
+                if later is None:
+                    item = await queue.get()
+                else:
+                    item, later = later, None
                 if isinstance(item, BaseException):
                     finished = True
                     raise item
                 if item.error is not None:
                     finished = True
                     raise RequestFailedError(f"request {request_id} failed: {item.error}")
+                while not item.finished and not queue.empty():
+                    waiting = queue.get_nowait()
+                    if isinstance(waiting, BaseException) or waiting.error is not None:
+                        later = waiting
+                        break
+                    item.add(waiting, aggregate)
                 finished = item.finished
                 yield item
                 if finished:

@@ -320,3 +320,31 @@ class RequestOutput:
     metrics: RequestMetrics | None = None
     num_cached_tokens: int | None = None  # prompt tokens found in the prefix cache
     error: str | None = None  # set on the final output of a request the engine failed
+
+    def add(self, next_output: RequestOutput, aggregate: bool) -> None:
+        """Folds a later output of the same request into this one (vLLM's, for a reader
+        that fell behind). `aggregate` (DELTA outputs): each sample's new text, token ids
+        and logprobs are appended to its own; otherwise (CUMULATIVE) a sample's later
+        output replaces it. A sample this one lacks is added."""
+        self.finished = self.finished or next_output.finished
+        self.metrics = next_output.metrics
+        self.num_cached_tokens = next_output.num_cached_tokens
+        self.error = next_output.error
+        if self.prompt_logprobs is None:
+            self.prompt_logprobs = next_output.prompt_logprobs
+        mine = {c.index: i for i, c in enumerate(self.outputs)}
+        for later in next_output.outputs:
+            i = mine.get(later.index)
+            if i is None:
+                mine[later.index] = len(self.outputs)
+                self.outputs.append(later)
+            elif not aggregate:
+                self.outputs[i] = later
+            else:
+                c = self.outputs[i]
+                c.text += later.text
+                c.token_ids = c.token_ids + later.token_ids  # never the engine's own list
+                if later.logprobs is not None:
+                    c.logprobs = (c.logprobs or []) + later.logprobs
+                c.cumulative_logprob = later.cumulative_logprob
+                c.finish_reason, c.stop_reason = later.finish_reason, later.stop_reason

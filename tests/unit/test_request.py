@@ -117,3 +117,35 @@ def test_outputs_shaped_like_vllm():
     out = RequestOutput(request_id="r", prompt="p", prompt_token_ids=[5], prompt_logprobs=None,
                         outputs=[c], finished=True)
     assert out.outputs[0].finished() and out.outputs[0].cumulative_logprob is None
+
+
+def _output(completions, finished=False, prompt_logprobs=None):
+    return RequestOutput(request_id="r", prompt="p", prompt_token_ids=[5],
+                         prompt_logprobs=prompt_logprobs, outputs=completions, finished=finished)
+
+
+def test_add_aggregates_delta_outputs_per_sample():
+    """A later DELTA output folds in: each sample's text, ids and logprobs appended, its
+    latest cumulative logprob and finish kept; a sample not seen yet is added; the prompt
+    logprobs of the first stay; nothing of the later output's lists is shared."""
+    first = _output([CompletionOutput(0, "a", [1], -0.5, [{1: -0.5}])], prompt_logprobs=[None])
+    later_ids = [2, 3]
+    later = _output([CompletionOutput(1, "x", [7], -0.1, [{7: -0.1}]),
+                     CompletionOutput(0, "bc", later_ids, -1.5, [{2: -0.4}, {3: -0.6}],
+                                      "stop", "c")], finished=True)
+    first.add(later, aggregate=True)
+    zero, one = first.outputs
+    assert (zero.text, zero.token_ids, zero.cumulative_logprob) == ("abc", [1, 2, 3], -1.5)
+    assert zero.logprobs == [{1: -0.5}, {2: -0.4}, {3: -0.6}]
+    assert (zero.finish_reason, zero.stop_reason, one.index, one.text) == ("stop", "c", 1, "x")
+    assert first.finished and first.prompt_logprobs == [None]
+    assert zero.token_ids is not later_ids and later_ids == [2, 3]
+
+
+def test_add_replaces_cumulative_outputs_per_sample():
+    first = _output([CompletionOutput(0, "a", [1]), CompletionOutput(1, "x", [7])])
+    first.add(_output([CompletionOutput(0, "ab", [1, 2], finish_reason="length")],
+                      finished=True), aggregate=False)
+    assert [(c.index, c.text, c.token_ids) for c in first.outputs] == [(0, "ab", [1, 2]),
+                                                                        (1, "x", [7])]
+    assert first.finished and first.outputs[0].finish_reason == "length"
