@@ -184,9 +184,10 @@ NUM_FEW_CANDIDATES = 64  # ... and before them: enough for common top-k and peak
 
 def _keep(sorted_logits, log_normalizer, sa: SamplingArrays):
     """Top-k, then top-p and min-p over a row's tokens sorted most likely first (all of
-    them or a prefix): the logits kept (-inf elsewhere), and each token's share of the
-    mass of the tokens more likely than it. Top-p keeps a token when that share is below
-    top_p: a tie keeps or drops all of its tokens (as `vocab_threshold.top_p_mask`)."""
+    them or a prefix): the logits kept (-inf elsewhere), the probabilities, and each
+    token's `above`: the mass of the tokens more likely than it. Top-p keeps a token
+    when that is below top_p, so a tie is kept or dropped whole (as
+    `vocab_threshold.top_p_mask` keeps it)."""
     width = sorted_logits.shape[-1]
     rank = jnp.arange(width)[None, :]
     masked = jnp.where((rank < sa.top_k[:, None]) | (sa.top_k[:, None] <= 0), sorted_logits,

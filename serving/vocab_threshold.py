@@ -29,8 +29,8 @@ def order_key(x):
 
 def largest_where(holds: Callable, num_bits: int, num_rows: int):
     """u32[R]: per row the largest t below 2^num_bits with holds(t) (bool[R] of u32[R]),
-    for a `holds` that is true at 0 and stays false once it turns false (monotone).
-    (Bit by bit: three candidates a pass, two bits, cost three times one on CPU.)"""
+    for a `holds` that is true at 0 and stays false once it turns false (monotone). One
+    bit a pass: testing three candidates a pass (two bits) cost three passes on CPU."""
     def one_bit(i, t):
         candidate = t | (jnp.uint32(1) << (num_bits - 1 - i).astype(jnp.uint32))
         return jnp.where(holds(candidate), candidate, t)
