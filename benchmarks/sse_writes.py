@@ -109,19 +109,15 @@ def cell(args, num_seqs: int, device_ms: float) -> dict:
             sys.executable, __file__, "--client", f"http://127.0.0.1:{port}/v1/completions",
             str(num_seqs), str(args.max_tokens), stdout=subprocess.PIPE)
         assert proc.stdout is not None
-        lines = []
-        for _ in range(2):  # "begin", then "done"
-            lines.append(await asyncio.wait_for(proc.stdout.readline(), 600))
-            if not lines[-1].strip():
+        marks = []  # (process CPU, wall) at "begin" and at "done"
+        for _ in range(2):
+            if not (await asyncio.wait_for(proc.stdout.readline(), 600)).strip():
                 raise RuntimeError(f"the client process failed ({await proc.wait()})")
-            if len(lines) == 1:
-                cpu, wall, first_step = time.process_time(), time.perf_counter(), len(steps)
-        cpu, wall = time.process_time() - cpu, time.perf_counter() - wall
+            marks.append((time.process_time(), time.perf_counter()))
         await proc.wait()
-        num_writes = writes[0]
         await runner.cleanup()
-        return {"cpu_s": cpu, "wall_s": wall, "writes": num_writes,
-                "steps": len(steps) - first_step}
+        (cpu0, wall0), (cpu1, wall1) = marks
+        return {"cpu_s": cpu1 - cpu0, "wall_s": wall1 - wall0, "writes": writes[0]}
 
     try:
         result = asyncio.run(run())
