@@ -68,11 +68,6 @@ async def client(url: str, num: int, max_tokens: int) -> None:
         print("done", flush=True)
 
 
-def install_fake_device(engine, device_ms: float) -> None:
-    from benchmarks.engine_overlap import FakeDevice
-    engine.runner.dispatch = FakeDevice(device_ms / 1e3).dispatch
-
-
 def cell(args, num_seqs: int, device_ms: float) -> dict:
     from aiohttp import web
 
@@ -80,7 +75,7 @@ def cell(args, num_seqs: int, device_ms: float) -> dict:
     from serving.engine_process import MPAsyncLLM
     from serving.server import build_app
     pages = 1 + num_seqs * -(-(96 + args.max_tokens) // 16)
-    llm = MPAsyncLLM(args.model, engine_hook=("benchmarks.sse_writes", "install_fake_device",
+    llm = MPAsyncLLM(args.model, engine_hook=("benchmarks.serve_processes", "install_fake_device",
                                               (device_ms,)),
                      max_num_seqs=max(num_seqs, 8), max_num_batched_tokens=8192,
                      max_model_len=1024, num_gpu_blocks_override=pages + 16,
