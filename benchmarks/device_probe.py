@@ -17,8 +17,9 @@ so, and the next stage runs):
              page write
   engine     LLMEngine on Qwen3-30B-A3B shapes, dummy bf16 weights: load seconds, then per
              bucket compile seconds, temp memory and op counts of the compiled step
-  offline    decode through LLMEngine.step, 1024 in / 128 out, at 1, 8 and 64 sequences:
-             output tok/s, execute ms and host ms per step (in the engine's process)
+  offline    decode through LLMEngine.step, 1024 in / 128 out, at 1, 8 and 64 sequences,
+             each through the overlapped loop and then the serial one (--loops): output
+             tok/s, execute ms and host ms per step (in the engine's process)
 
 --quantization fp8 (or int8, awq): the engine and offline stages with quantised weights,
 to set beside a run without it (`--stages engine,offline --quantization fp8`); the matmul
@@ -40,7 +41,7 @@ import time
 STAGES = ("env", "check", "attention", "matmul", "engine", "offline")
 # Seconds per stage on an H200: about 8 minutes in all.
 TIMEOUTS = {"env": 45, "check": 60, "attention": 45, "matmul": 60, "engine": 150,
-            "offline": 110}
+            "offline": 130}
 REPO = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 
 
@@ -135,6 +136,8 @@ def stage_engine(emit, args, arm):
 
 
 def stage_offline(emit, args, engine):
+    import dataclasses
+
     import numpy as np
 
     from serving.request import SamplingParams
@@ -144,31 +147,60 @@ def stage_offline(emit, args, engine):
     rng = np.random.default_rng(1)
     vocab = engine.model_config.vocab_size
     levels = sorted({min(c, 8) for c in args.concurrency}) if args.small else args.concurrency
-    shapes = []
+    config = engine.scheduler_config
+    warm = SamplingParams(temperature=0.0, max_tokens=3, ignore_eos=True)
+    for concurrency in levels:  # each level's decode bucket runs once before any timing
+        _offline_run(engine, [[2] * 16] * concurrency, warm, f"warm{concurrency}",
+                     decode_tokens)
     for concurrency in levels:
-        for i in range(concurrency):
-            engine.add_request(f"c{concurrency}-{i}", {"prompt_token_ids": rng.integers(
-                2, vocab - 1, in_len).tolist()}, params, stream=False)
-        steps, started = [], time.perf_counter()
-        while engine.has_unfinished_requests():
-            step_start = time.perf_counter()
-            engine.step()
-            last = engine.last_step
-            if not last:  # overlapped: the first call only dispatches
-                continue
-            steps.append((last["bucket"], last["seconds"], time.perf_counter() - step_start))
-            shapes.append(last["shape"])
-        wall = time.perf_counter() - started
-        decode = [(run, total) for bucket, run, total in steps if bucket[0] <= decode_tokens]
-        median_ms = lambda v: round(float(np.median(v)) * 1e3, 3) if v else None
-        emit("offline", concurrency=concurrency, quantization=args.quantization or "none",
-             output_tok_s=round(concurrency * out_len / wall, 1),
-             wall_s=round(wall, 2), steps=len(steps), decode_steps=len(decode),
-             decode_execute_ms_p50=median_ms([r for r, _ in decode]),
-             decode_host_ms_p50=median_ms([t - r for r, t in decode]),
-             prefill_execute_ms_p50=median_ms([r for b, r, _ in steps if b[0] > decode_tokens]),
-             **utilisation(engine, steps, shapes, decode_tokens))
-        shapes.clear()
+        prompts = [rng.integers(2, vocab - 1, in_len).tolist() for _ in range(concurrency)]
+        walls = {}
+        for loop in args.loops:  # the same prompts through each loop, one after the other
+            engine.scheduler_config = dataclasses.replace(
+                config, async_scheduling=loop == "overlapped")
+            row = _offline_run(engine, prompts, params, f"c{concurrency}-{loop}",
+                               decode_tokens)
+            walls[loop] = row["wall_s"]
+            if loop == "serial" and walls.get("overlapped"):
+                row["serial_over_overlapped"] = round(walls["serial"] / walls["overlapped"], 3)
+            emit("offline", concurrency=concurrency, loop=loop,
+                 quantization=args.quantization or "none",
+                 output_tok_s=round(concurrency * out_len / row["wall_s"], 1), **row)
+    engine.scheduler_config = config
+
+
+def _offline_run(engine, prompts, params, prefix, decode_tokens):
+    """The prompts through LLMEngine.step until all finish: per step, its bucket, device
+    seconds (dispatch or the step before's end to its tokens read) and the host's rest."""
+    import numpy as np
+
+    for i, prompt in enumerate(prompts):
+        engine.add_request(f"{prefix}-{i}", {"prompt_token_ids": prompt}, params, stream=False)
+    steps, shapes, started = [], [], time.perf_counter()
+    num_overlapped = 0
+    while engine.has_unfinished_requests():
+        step_start = time.perf_counter()
+        before = engine.num_overlapped_steps
+        engine.step()
+        num_overlapped += engine.num_overlapped_steps - before
+        last = engine.last_step
+        if not last:  # overlapped: the first call only dispatches
+            continue
+        steps.append((last["bucket"], last["seconds"], time.perf_counter() - step_start))
+        shapes.append(last["shape"])
+    engine.step()  # an overlapped loop's last step may still be in flight: read it
+    wall = time.perf_counter() - started
+    decode = [(run, total) for bucket, run, total in steps if bucket[0] <= decode_tokens]
+    median_ms = lambda v: round(float(np.median(v)) * 1e3, 3) if v else None
+    # Overlapped, a step's host part runs while the device computes: "host" is then the
+    # step's wall time past its device time (the host work the device waited for).
+    return dict(wall_s=round(wall, 2), steps=len(steps), decode_steps=len(decode),
+                overlapped_steps=num_overlapped,
+                decode_execute_ms_p50=median_ms([r for r, _ in decode]),
+                decode_wall_ms_p50=median_ms([t for _, t in decode]),
+                decode_host_ms_p50=median_ms([max(t - r, 0.0) for r, t in decode]),
+                prefill_execute_ms_p50=median_ms([r for b, r, _ in steps if b[0] > decode_tokens]),
+                **utilisation(engine, steps, shapes, decode_tokens))
 
 
 def utilisation(engine, steps, shapes, decode_tokens):
@@ -268,6 +300,9 @@ def parse_args(argv):
                         help="STAGE=SECONDS, repeatable (defaults: %s)" % TIMEOUTS)
     parser.add_argument("--num-gpu-blocks-override", type=int, default=5200)
     parser.add_argument("--concurrency", default="1,8,64")
+    parser.add_argument("--loops", default="overlapped,serial",
+                        help="offline stage: the engine loops to run each concurrency "
+                             "through, in turn (the overlapped one is the default engine's)")
     parser.add_argument("--quantization", default=None, choices=("fp8", "int8", "awq"),
                         help="engine and offline stages with quantised weights (dummy, as "
                              "that format's checkpoint holds them); run once without it "
@@ -287,6 +322,10 @@ def parse_args(argv):
             parser.error(f"--timeout {item!r}: stage must be one of {','.join(STAGES)}")
         args.timeouts[stage] = float(seconds)
     args.concurrency = [int(c) for c in args.concurrency.split(",")]
+    args.loops = args.loops.split(",")
+    for loop in args.loops:
+        if loop not in ("overlapped", "serial"):
+            parser.error(f"--loops has {loop!r}, expected overlapped and/or serial")
     return args
 
 

@@ -43,8 +43,14 @@ def test_dry_run_reports_every_stage_in_order(tmp_path):
     assert sorted(map(tuple, (r["bucket"] for r in compiled))) == [(8, 4), (8, 8), (64, 4), (64, 8)]
     assert all(r["compile_s"] > 0 and r["ops"]["fusions"] > 0 for r in compiled)
     offline = by("offline")
-    assert [r["concurrency"] for r in offline] == [1, 8]
+    # Each concurrency through the overlapped loop, then the serial one (issue 14's
+    # serial-against-overlapped figures): the same steps, overlapped only in the first.
+    assert [(r["concurrency"], r["loop"]) for r in offline] == [
+        (1, "overlapped"), (1, "serial"), (8, "overlapped"), (8, "serial")]
     assert all(r["output_tok_s"] > 0 and r["decode_steps"] > 0 for r in offline)
+    for overlapped, serial in zip(offline[::2], offline[1::2]):
+        assert overlapped["overlapped_steps"] > 0 and serial["overlapped_steps"] == 0
+        assert serial["serial_over_overlapped"] > 0 and "serial_over_overlapped" not in overlapped
     # Step FLOP/s and bytes/s from the step shapes; a CPU has no peak, so no MFU / MBU.
     assert all(r["decode_gb_s_p50"] > 0 and r["prefill_tflop_s_p50"] > 0 for r in offline)
     assert all(r["peak"] is None and "decode_mbu_p50" not in r for r in offline)
@@ -60,7 +66,7 @@ def test_a_stage_past_its_timeout_leaves_one_line_and_the_next_stage_runs(tmp_pa
 
 def test_dry_run_with_quantised_weights_and_formats_of_the_grouped_matmul(tmp_path):
     rows = run_probe(tmp_path, "--stages", "matmul,engine,offline", "--quantization", "fp8",
-                     "--concurrency", "1")
+                     "--concurrency", "1", "--loops", "overlapped")
     assert not [r for r in rows if "error" in r]
     grouped = [r for r in rows if r.get("part") == "grouped_matmul" and r["impl"] == "pallas"]
     decode = {r["format"] for r in grouped if "decode" in r["name"]}
@@ -70,4 +76,5 @@ def test_dry_run_with_quantised_weights_and_formats_of_the_grouped_matmul(tmp_pa
             assert row["rel_err"] < 2e-2 and row["vs_bf16"] > 0
     engine = [r for r in rows if r["stage"] == "engine"][0]
     assert engine["quantization"] == "fp8" and engine["weight_gb"] > 0
-    assert [r["quantization"] for r in rows if r["stage"] == "offline"] == ["fp8"]
+    offline = [(r["quantization"], r["loop"]) for r in rows if r["stage"] == "offline"]
+    assert offline == [("fp8", "overlapped")]
