@@ -7,6 +7,9 @@ import concurrent.futures
 import dataclasses
 import logging
 import os
+import queue
+import sys
+import threading
 import time
 from collections.abc import Callable
 from pathlib import Path
@@ -81,35 +84,94 @@ def enable_compilation_cache(directory: str | None) -> None:
 
 class PendingStep:
     """A dispatched step: its outputs stay on the device until `result()` reads them.
-    `next_tokens` (i32[max_num_seqs], the sampled ids padded) feeds the following step."""
+    `next_tokens` (i32[max_num_seqs], the sampled ids padded) feeds the following step.
+    `launched`: the step's call, done or (dispatch thread) still under way; its value is
+    (SamplerOutput, next_tokens), whose copy back to the host has been started."""
 
-    def __init__(self, out: SamplerOutput, next_tokens: jax.Array, want_logprobs: bool):
-        self.next_tokens = next_tokens
-        self._out = out
+    def __init__(self, launched: concurrent.futures.Future, want_logprobs: bool):
+        self._launched = launched
         self._want_logprobs = want_logprobs
         self._host: SamplerOutput | None = None
-        wanted = out if want_logprobs else out.token_ids
-        for leaf in jax.tree.leaves(wanted):  # start the copy back as soon as it is ready
-            leaf.copy_to_host_async()
+
+    @property
+    def next_tokens(self) -> jax.Array:
+        return self._launched.result()[1]
 
     def result(self) -> SamplerOutput:
         """The sampled ids (and logprobs, when a row asked for them) as host arrays: one
-        fetch, which waits for the step to finish."""
+        fetch, which waits for the step to finish (and raises what its call raised)."""
         if self._host is None:
+            out = self._launched.result()[0]
             if self._want_logprobs:
-                self._host = jax.device_get(self._out)
+                self._host = jax.device_get(out)
             else:
-                self._host = SamplerOutput(token_ids=np.asarray(self._out.token_ids),
-                                           logprobs=None)
+                self._host = SamplerOutput(token_ids=np.asarray(out.token_ids), logprobs=None)
         return self._host
+
+
+class DispatchThread:
+    """One thread that makes every device call of a runner, in the order submitted.
+
+    On a GPU the call of a step does not return at once: XLA runs each `lax.cond` of the
+    step (the sampler's branches) by copying its predicate to the host and blocking the
+    calling thread until the device has done everything before it (its ConditionalThunk;
+    conditionals are not in XLA's default CUDA-graph command types). Called from the
+    engine's thread, the step's call would hold that thread for about the whole forward
+    pass, and the host work meant to overlap it (the step before's outputs, the next
+    schedule) would wait. Here the call blocks this thread instead; JAX releases the GIL
+    while it waits.
+
+    The thread needs the GIL again to return from one call and make the next, while the
+    engine's thread runs Python for up to a few milliseconds a step: the interpreter's
+    switch interval (5 ms by default) is lowered to SWITCH_INTERVAL_S, so that the next
+    step's call waits at most that long for it."""
+
+    SWITCH_INTERVAL_S = 5e-4
+
+    def __init__(self, name: str = "qwen-jax-dispatch"):
+        if sys.getswitchinterval() > self.SWITCH_INTERVAL_S:
+            sys.setswitchinterval(self.SWITCH_INTERVAL_S)
+        self._jobs: queue.SimpleQueue = queue.SimpleQueue()
+        self._thread = threading.Thread(target=self._run, name=name, daemon=True)
+        self._thread.start()
+
+    def submit(self, fn: Callable[[], object]) -> concurrent.futures.Future:
+        future: concurrent.futures.Future = concurrent.futures.Future()
+        self._jobs.put((fn, future))
+        return future
+
+    def call(self, fn: Callable[[], object]):
+        """fn() on this thread, after every call submitted before it; waits for it."""
+        return self.submit(fn).result()
+
+    def close(self) -> None:
+        self._jobs.put(None)
+        self._thread.join(timeout=10)
+
+    def _run(self) -> None:
+        while (job := self._jobs.get()) is not None:
+            fn, future = job
+            try:
+                future.set_result(fn())
+            except BaseException as exc:  # the caller's result() raises it
+                future.set_exception(exc)
+
+
+def _done(fn: Callable[[], object]) -> concurrent.futures.Future:
+    """fn() run now, as a finished future (what the dispatch thread's submit returns)."""
+    future: concurrent.futures.Future = concurrent.futures.Future()
+    future.set_result(fn())
+    return future
 
 
 class ModelRunner:
     """Owns the params, the KV cache and the compiled steps."""
 
     def __init__(self, model, kv_caches, *, max_model_len: int, pages_per_seq: int, mesh=None,
-                 max_num_seqs: int = 256):
-        """max_num_seqs: the largest sequence bucket (the width of `next_tokens`)."""
+                 max_num_seqs: int = 256, dispatch_thread: bool | None = None):
+        """max_num_seqs: the largest sequence bucket (the width of `next_tokens`).
+        dispatch_thread: device calls from a `DispatchThread` (None: unless the devices
+        are CPUs, whose calls return at once)."""
         self.graphdef, self.state = nnx.split(model)
         self.kv_caches = kv_caches
         self.max_model_len = max_model_len
@@ -130,6 +192,11 @@ class ModelRunner:
         self._step = jax.jit(self._step_impl, donate_argnums=(1,), static_argnums=(6,),
                              out_shardings=None if mesh is None else (cache_shardings,
                                                                       replicated(mesh)))
+        self._dispatch_thread: DispatchThread | None = None
+        if dispatch_thread is None:
+            devices = jax.devices() if mesh is None else mesh.devices.flat
+            dispatch_thread = any(d.platform != "cpu" for d in devices)
+        self.dispatch_thread = dispatch_thread
 
     @property
     def num_compiles(self) -> int:
@@ -183,15 +250,43 @@ class ModelRunner:
         penalties = (sampling.penalty_tokens if uses_penalty_rows(sampling)
                      else self._resident(self._no_penalties, num_seqs, lambda: padding_sampling(
                          num_seqs, self.max_model_len, self.vocab_size).penalty_tokens))
-        prev_tokens = prev.next_tokens if prev is not None else self._zero_prev_tokens()
         args = [words, penalties, mask_arg]
         if self._inputs_sharding is not None:  # host leaves -> replicated global arrays
             args = [jax.tree.map(lambda x: x if isinstance(x, jax.Array) else self._replicate(x),
                                  a) for a in args]
-        step = self._executables.get(inputs.bucket) or self._compile([inputs.bucket])[0]
-        self.kv_caches, (out, next_tokens) = step(self.state, self.kv_caches, *args,
-                                                  prev_tokens)
-        return PendingStep(out, next_tokens, bool(sampling.want_logprobs))
+        want_logprobs = bool(sampling.want_logprobs)
+
+        def launch():
+            prev_tokens = prev.next_tokens if prev is not None else self._zero_prev_tokens()
+            step = self._executables.get(inputs.bucket) or self._compile([inputs.bucket])[0]
+            self.kv_caches, (out, next_tokens) = step(self.state, self.kv_caches, *args,
+                                                      prev_tokens)
+            for leaf in jax.tree.leaves(out if want_logprobs else out.token_ids):
+                leaf.copy_to_host_async()  # the copy back starts as soon as it is ready
+            return out, next_tokens
+
+        thread = self._dispatch_thread
+        return PendingStep(_done(launch) if thread is None else thread.submit(launch),
+                           want_logprobs)
+
+    @property
+    def dispatch_thread(self) -> bool:
+        """Whether device calls go through a `DispatchThread` (by default: off the CPU)."""
+        return self._dispatch_thread is not None
+
+    @dispatch_thread.setter
+    def dispatch_thread(self, on: bool) -> None:
+        if on and self._dispatch_thread is None:
+            self._dispatch_thread = DispatchThread()
+        elif not on and self._dispatch_thread is not None:
+            thread = self._dispatch_thread
+            self._dispatch_thread = None
+            thread.close()  # after the calls already submitted
+
+    def _on_device_thread(self, fn: Callable[[], object]):
+        """fn() after every step dispatched before it (it reads or replaces the caches)."""
+        thread = self._dispatch_thread
+        return fn() if thread is None else thread.call(fn)
 
     def _resident(self, cache: dict, num_seqs: int, make):
         if num_seqs not in cache:
@@ -209,11 +304,14 @@ class ModelRunner:
 
     def copy_pages_to_host(self, store, device_pages, host_pages) -> None:
         """Swap out: `store` (serving/host_kv.HostKVStore) keeps the pages' KV."""
-        store.save(self.kv_caches, list(device_pages), list(host_pages))
+        self._on_device_thread(lambda: store.save(self.kv_caches, list(device_pages),
+                                                  list(host_pages)))
 
     def copy_pages_from_host(self, store, host_pages, device_pages) -> None:
         """Swap in: the stored pages' KV lands in `device_pages` (the cache is donated)."""
-        self.kv_caches = store.load(self.kv_caches, list(host_pages), list(device_pages))
+        def load():
+            self.kv_caches = store.load(self.kv_caches, list(host_pages), list(device_pages))
+        self._on_device_thread(load)
 
     def _replicate(self, host: np.ndarray) -> jax.Array:
         """Host array -> global replicated array (under a mesh); works across processes too,

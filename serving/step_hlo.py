@@ -81,7 +81,7 @@ def abstract_runner(model: str = "qwen3-30b-a3b", *, dtype: str = "bfloat16",
     abstract = abstract_model(cfg, dtype, impl=impl, model_cls=Qwen3ForCausalLM)
     kv_dtype = resolve_kv_cache_dtype(kv_cache_dtype, abstract.dtype)
     caches = jax.eval_shape(lambda: abstract.init_kv_caches(num_pages, page_size, kv_dtype))
-    return ModelRunner(abstract, caches, max_model_len=max_model_len,
+    return ModelRunner(abstract, caches, max_model_len=max_model_len, dispatch_thread=False,
                        pages_per_seq=-(-max_model_len // page_size))
 
 

@@ -3,11 +3,15 @@ same tokens, texts and finish reasons in every batching mode, and no page left h
 (Being the default, the overlapped loop also runs every other engine test: HF parity,
 the embedded model against its full forward, data-parallel and sharded layouts.)"""
 
+import threading
+
+import jax.numpy as jnp
 import pytest
 
 from qwen_jax import LLM, SamplingParams
 from serving.engine import LLMEngine
 from serving.llm import engine_config_from_kwargs
+from serving.sampler import SamplerOutput
 from tests.engine.conftest import make_prompts
 
 ARGS = dict(max_num_seqs=8, max_num_batched_tokens=64, max_model_len=128,
@@ -149,3 +153,77 @@ def test_abort_mid_stream(tiny_ckpt, compile_cache):
 
     assert run(True) == run(False) and set(run(False)) == {"0", "2"}
 
+
+
+def test_dispatch_thread_gives_the_same_tokens(tiny_ckpt, compile_cache):
+    # Device calls from the runner's DispatchThread (its default off the CPU): the same
+    # tokens as the serial loop, with swaps, which read and replace the caches after every
+    # step dispatched before them, and with seeded sampling.
+    pair = make_pair(tiny_ckpt[0], compile_cache, num_gpu_blocks_override=9, swap_space=0.01,
+                     swap_min_tokens=0)
+    pair[1].llm_engine.runner.dispatch_thread = True
+    assert_same(pair, ids(make_prompts([15, 14, 31, 30, 13], seed=3)), GREEDY)
+    sampled = SamplingParams(n=2, temperature=1.0, top_p=0.9, seed=5, max_tokens=10,
+                             ignore_eos=True)
+    assert_same(pair, ids(make_prompts([6, 21], seed=4)), sampled)
+    stats = pair[1].stats()
+    assert stats["num_swap_outs"] > 0 and stats["num_swap_outs"] == stats["num_swap_ins"]
+
+
+class _BlockingStep:
+    """A compiled step that holds its caller as a GPU's does: XLA blocks the calling
+    thread at the step's first `lax.cond` until the device gets there. Call k (k >= 2)
+    returns once the engine has processed k - 1 steps' tokens, or after `patience`
+    seconds; it records which."""
+
+    def __init__(self, engine, patience: float):
+        self.patience, self.released = patience, []
+        self.processed = 0
+        self._changed = threading.Condition()
+        process = engine._process_tokens
+
+        def counted(*args, **kwargs):
+            outputs = process(*args, **kwargs)
+            with self._changed:
+                self.processed += 1
+                self._changed.notify_all()
+            return outputs
+        engine._process_tokens = counted
+        self.calls = 0
+
+    def get(self, bucket, default=None):  # as runner._executables.get: every bucket
+        return self
+
+    def __len__(self):  # runner.num_compiles
+        return 0
+
+    def __bool__(self):
+        return True
+
+    def __call__(self, state, kv_caches, words, penalties, mask, prev_tokens):
+        self.calls += 1
+        if self.calls >= 2:
+            with self._changed:
+                self.released.append(self._changed.wait_for(
+                    lambda: self.processed >= self.calls - 1, timeout=self.patience))
+        tokens = jnp.full(mask.bits.shape[0], 7, jnp.int32)
+        return kv_caches, (SamplerOutput(token_ids=tokens, logprobs=None),
+                           jnp.zeros(prev_tokens.shape, jnp.int32).at[:tokens.shape[0]].set(7))
+
+
+@pytest.mark.parametrize("dispatch_thread", [True, False])
+def test_host_work_overlaps_a_step_call_that_blocks(tiny_ckpt, dispatch_thread):
+    # With the dispatch thread the engine processes step k-1's tokens while the call of
+    # step k is held (as on a GPU); without it the engine's own thread is held, so every
+    # call waits out its patience (the control: the test tells the two apart).
+    llm = LLM(str(tiny_ckpt[0]), async_scheduling=True, **ARGS)
+    engine = llm.llm_engine
+    engine.runner.dispatch_thread = dispatch_thread
+    step = _BlockingStep(engine, patience=20.0 if dispatch_thread else 0.2)
+    engine.runner._executables = step
+    out = llm.generate(ids(make_prompts([5, 9], seed=1)), SamplingParams(
+        temperature=0.0, max_tokens=6, ignore_eos=True))
+    assert [o.outputs[0].token_ids for o in out] == [[7] * 6] * 2
+    assert len(step.released) >= 5
+    assert all(step.released) if dispatch_thread else not any(step.released)
+    assert_no_leak(llm)
