@@ -104,6 +104,78 @@ class _FakePending:
         return SamplerOutput(token_ids=np.full(self.num_seqs, 7, np.int32), logprobs=None)
 
 
+class _ReadyAt:
+    """A device array's stand-in whose value reaches the host at `ready_at`."""
+
+    def __init__(self, value: np.ndarray, ready_at: float):
+        self.value, self.ready_at = value, ready_at
+
+    def copy_to_host_async(self) -> None:
+        pass
+
+    def __array__(self, dtype=None, copy=None):
+        wait = self.ready_at - time.perf_counter()
+        if wait > 0:
+            time.sleep(wait)
+        return self.value
+
+
+class BlockingFakeStep:
+    """Stands in for the compiled steps (`runner._executables`, every bucket) as a GPU
+    runs them: the device works `seconds` per step, one after another, and the call
+    holds its thread until the device reaches the step's first `lax.cond`, `tail`
+    seconds before the step's end (XLA's GPU runtime reads each conditional's predicate
+    back and waits for it). Every row samples 7."""
+
+    def __init__(self, seconds: float, tail: float = 1e-4):
+        self.seconds, self.tail, self.busy_until = seconds, min(tail, seconds), 0.0
+
+    def get(self, bucket, default=None):
+        return self
+
+    def __len__(self) -> int:  # no compiled step of its own (runner.num_compiles)
+        return 0
+
+    def __bool__(self) -> bool:
+        return True
+
+    def __call__(self, state, kv_caches, words, penalties, mask, prev_tokens):
+        start = max(time.perf_counter(), self.busy_until)
+        self.busy_until = start + self.seconds
+        wait = self.busy_until - self.tail - time.perf_counter()
+        if wait > 0:
+            time.sleep(wait)
+        tokens = _ReadyAt(np.full(mask.bits.shape[0], 7, np.int32), self.busy_until)
+        return kv_caches, (SamplerOutput(token_ids=tokens, logprobs=None), prev_tokens)
+
+
+def blocking_call_runs(engine, seconds: float, steps: int) -> dict:
+    """The overlapped engine with `BlockingFakeStep` as its steps, its device calls from
+    the engine's thread and then from the runner's dispatch thread: median wall ms per
+    step and d / wall."""
+    runner = engine.runner
+    executables, on = runner._executables, runner.dispatch_thread
+    vars(runner).pop("dispatch", None)  # the real dispatch, over the fake steps
+    out = {}
+    try:
+        for name, thread in (("blocking_call", False), ("blocking_call_dispatch_thread", True)):
+            runner.dispatch_thread = thread
+            runner._executables = fake = BlockingFakeStep(seconds)
+            for _ in range(3):
+                engine.step()
+            walls = []
+            for _ in range(steps):
+                t = time.perf_counter()
+                engine.step()
+                walls.append(time.perf_counter() - t)
+            wall = statistics.median(walls)
+            out[name] = {"wall_ms": round(1e3 * wall, 3), "efficiency": round(seconds / wall, 3)}
+            fake.busy_until = 0.0
+    finally:
+        runner._executables, runner.dispatch_thread = executables, on
+    return out
+
+
 def decoding_engine(model, num_seqs: int, steps: int, async_scheduling: bool, cache_dir,
                     stream: bool = True, output_kind: str = "CUMULATIVE",
                     stream_interval: int = 1):
@@ -288,8 +360,10 @@ def fake_device_runs(args) -> dict:
     out: dict = {"host_ms_per_step": {}, "fake_device": {}}
     for n in args.seqs:
         row: dict = {}
-        # tokens to outlive the host-cost steps and a run per device duration
-        budget = args.steps * max(1, 0 if args.host_only else len(args.device_ms))
+        # tokens to outlive the host-cost steps and, per device duration, three runs of
+        # the overlapped engine (decoding_engine gives 3 * budget + 32)
+        runs = 1 + (0 if args.host_only else 3 * len(args.device_ms))
+        budget = -(-(args.steps + 3) * runs // 3)
         engines = {mode: decoding_engine(args.model, n, budget, mode == "overlapped",
                                          args.compilation_cache_dir, not args.final_only)
                    for mode in ("serial", "overlapped")}
@@ -314,6 +388,10 @@ def fake_device_runs(args) -> dict:
                 wall = statistics.median(walls)
                 cell[mode] = {"wall_ms": round(1e3 * wall, 3),
                               "efficiency": round(d / 1e3 / wall, 3)}
+            # As a GPU runs the step: its call holds the calling thread (the overlapped
+            # loop's device calls from the engine's thread, then from the dispatch thread)
+            cell.update({f"overlapped_{k}": v for k, v in blocking_call_runs(
+                engines["overlapped"], d / 1e3, args.steps).items()})
             if not args.final_only:  # the server's way: AsyncLLM, a chat SSE chunk per output
                 served = async_engine_thread(args.model, n, args.steps,
                                              args.compilation_cache_dir, chunks=True,
