@@ -18,8 +18,9 @@ so, and the next stage runs):
   engine     LLMEngine on Qwen3-30B-A3B shapes, dummy bf16 weights: load seconds, then per
              bucket compile seconds, temp memory and op counts of the compiled step
   offline    decode through LLMEngine.step, 1024 in / 128 out, at 1, 8 and 64 sequences,
-             each through the overlapped loop and then the serial one (--loops): output
-             tok/s, execute ms and host ms per step (in the engine's process)
+             each through the overlapped loop, the same with device calls from the
+             engine's thread, and the serial loop (--loops): output tok/s, execute ms,
+             host ms and how long a dispatch holds the engine's thread per step
 
 --quantization fp8 (or int8, awq): the engine and offline stages with quantised weights,
 to set beside a run without it (`--stages engine,offline --quantization fp8`); the matmul
@@ -41,7 +42,7 @@ import time
 STAGES = ("env", "check", "attention", "matmul", "engine", "offline")
 # Seconds per stage on an H200: about 8 minutes in all.
 TIMEOUTS = {"env": 45, "check": 60, "attention": 45, "matmul": 60, "engine": 150,
-            "offline": 130}
+            "offline": 150}
 REPO = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 
 
@@ -147,7 +148,7 @@ def stage_offline(emit, args, engine):
     rng = np.random.default_rng(1)
     vocab = engine.model_config.vocab_size
     levels = sorted({min(c, 8) for c in args.concurrency}) if args.small else args.concurrency
-    config = engine.scheduler_config
+    config, thread = engine.scheduler_config, engine.runner.dispatch_thread
     warm = SamplingParams(temperature=0.0, max_tokens=3, ignore_eos=True)
     for concurrency in levels:  # each level's decode bucket runs once before any timing
         _offline_run(engine, [[2] * 16] * concurrency, warm, f"warm{concurrency}",
@@ -157,16 +158,18 @@ def stage_offline(emit, args, engine):
         walls = {}
         for loop in args.loops:  # the same prompts through each loop, one after the other
             engine.scheduler_config = dataclasses.replace(
-                config, async_scheduling=loop == "overlapped")
+                config, async_scheduling=loop != "serial")
+            engine.runner.dispatch_thread = loop != "overlapped-engine-thread" and thread
             row = _offline_run(engine, prompts, params, f"c{concurrency}-{loop}",
                                decode_tokens)
             walls[loop] = row["wall_s"]
             if loop == "serial" and walls.get("overlapped"):
                 row["serial_over_overlapped"] = round(walls["serial"] / walls["overlapped"], 3)
             emit("offline", concurrency=concurrency, loop=loop,
+                 dispatch_thread=engine.runner.dispatch_thread,
                  quantization=args.quantization or "none",
                  output_tok_s=round(concurrency * out_len / row["wall_s"], 1), **row)
-    engine.scheduler_config = config
+    engine.scheduler_config, engine.runner.dispatch_thread = config, thread
 
 
 def _offline_run(engine, prompts, params, prefix, decode_tokens):
@@ -176,7 +179,39 @@ def _offline_run(engine, prompts, params, prefix, decode_tokens):
 
     for i, prompt in enumerate(prompts):
         engine.add_request(f"{prefix}-{i}", {"prompt_token_ids": prompt}, params, stream=False)
+    runner, dispatch_seconds = engine.runner, []
+    real_dispatch = runner.dispatch
+
+    def dispatch(*args, **kwargs):  # how long the engine's thread is held per step
+        start = time.perf_counter()
+        pending = real_dispatch(*args, **kwargs)
+        dispatch_seconds.append(time.perf_counter() - start)
+        return pending
+
+    runner.dispatch = dispatch
     steps, shapes, started = [], [], time.perf_counter()
+    try:
+        num_overlapped = _steps_until_done(engine, steps, shapes)
+    finally:
+        del runner.dispatch
+    wall = time.perf_counter() - started
+    decode = [(run, total) for bucket, run, total in steps if bucket[0] <= decode_tokens]
+    median_ms = lambda v: round(float(np.median(v)) * 1e3, 3) if v else None
+    # Overlapped, a step's host part runs while the device computes: "host" is then the
+    # step's wall time past its device time (the host work the device waited for).
+    return dict(wall_s=round(wall, 2), steps=len(steps), decode_steps=len(decode),
+                overlapped_steps=num_overlapped,
+                dispatch_ms_p50=median_ms(dispatch_seconds),
+                decode_execute_ms_p50=median_ms([r for r, _ in decode]),
+                decode_wall_ms_p50=median_ms([t for _, t in decode]),
+                decode_host_ms_p50=median_ms([max(t - r, 0.0) for r, t in decode]),
+                prefill_execute_ms_p50=median_ms([r for b, r, _ in steps if b[0] > decode_tokens]),
+                **utilisation(engine, steps, shapes, decode_tokens))
+
+
+def _steps_until_done(engine, steps, shapes) -> int:
+    """LLMEngine.step until no request is left; appends each step's (bucket, device
+    seconds, wall seconds) and shape; returns how many steps overlapped the one before."""
     num_overlapped = 0
     while engine.has_unfinished_requests():
         step_start = time.perf_counter()
@@ -189,18 +224,7 @@ def _offline_run(engine, prompts, params, prefix, decode_tokens):
         steps.append((last["bucket"], last["seconds"], time.perf_counter() - step_start))
         shapes.append(last["shape"])
     engine.step()  # an overlapped loop's last step may still be in flight: read it
-    wall = time.perf_counter() - started
-    decode = [(run, total) for bucket, run, total in steps if bucket[0] <= decode_tokens]
-    median_ms = lambda v: round(float(np.median(v)) * 1e3, 3) if v else None
-    # Overlapped, a step's host part runs while the device computes: "host" is then the
-    # step's wall time past its device time (the host work the device waited for).
-    return dict(wall_s=round(wall, 2), steps=len(steps), decode_steps=len(decode),
-                overlapped_steps=num_overlapped,
-                decode_execute_ms_p50=median_ms([r for r, _ in decode]),
-                decode_wall_ms_p50=median_ms([t for _, t in decode]),
-                decode_host_ms_p50=median_ms([max(t - r, 0.0) for r, t in decode]),
-                prefill_execute_ms_p50=median_ms([r for b, r, _ in steps if b[0] > decode_tokens]),
-                **utilisation(engine, steps, shapes, decode_tokens))
+    return num_overlapped
 
 
 def utilisation(engine, steps, shapes, decode_tokens):
@@ -300,9 +324,12 @@ def parse_args(argv):
                         help="STAGE=SECONDS, repeatable (defaults: %s)" % TIMEOUTS)
     parser.add_argument("--num-gpu-blocks-override", type=int, default=5200)
     parser.add_argument("--concurrency", default="1,8,64")
-    parser.add_argument("--loops", default="overlapped,serial",
+    parser.add_argument("--loops", default="overlapped,overlapped-engine-thread,serial",
                         help="offline stage: the engine loops to run each concurrency "
-                             "through, in turn (the overlapped one is the default engine's)")
+                             "through, in turn: overlapped (the default engine's), the "
+                             "same with its device calls from the engine's own thread (no "
+                             "DispatchThread: a step's lax.cond holds that thread on a GPU), "
+                             "and serial")
     parser.add_argument("--quantization", default=None, choices=("fp8", "int8", "awq"),
                         help="engine and offline stages with quantised weights (dummy, as "
                              "that format's checkpoint holds them); run once without it "
@@ -324,8 +351,9 @@ def parse_args(argv):
     args.concurrency = [int(c) for c in args.concurrency.split(",")]
     args.loops = args.loops.split(",")
     for loop in args.loops:
-        if loop not in ("overlapped", "serial"):
-            parser.error(f"--loops has {loop!r}, expected overlapped and/or serial")
+        if loop not in ("overlapped", "overlapped-engine-thread", "serial"):
+            parser.error(f"--loops has {loop!r}, expected some of overlapped, "
+                         "overlapped-engine-thread, serial")
     return args
 
 

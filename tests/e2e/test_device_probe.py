@@ -45,12 +45,16 @@ def test_dry_run_reports_every_stage_in_order(tmp_path):
     offline = by("offline")
     # Each concurrency through the overlapped loop, then the serial one (issue 14's
     # serial-against-overlapped figures): the same steps, overlapped only in the first.
+    loops = ["overlapped", "overlapped-engine-thread", "serial"]
     assert [(r["concurrency"], r["loop"]) for r in offline] == [
-        (1, "overlapped"), (1, "serial"), (8, "overlapped"), (8, "serial")]
+        (c, loop) for c in (1, 8) for loop in loops]
     assert all(r["output_tok_s"] > 0 and r["decode_steps"] > 0 for r in offline)
-    for overlapped, serial in zip(offline[::2], offline[1::2]):
-        assert overlapped["overlapped_steps"] > 0 and serial["overlapped_steps"] == 0
-        assert serial["serial_over_overlapped"] > 0 and "serial_over_overlapped" not in overlapped
+    assert all(r["dispatch_ms_p50"] > 0 for r in offline)
+    for overlapped, engine_thread, serial in zip(*(offline[i::3] for i in range(3))):
+        assert overlapped["overlapped_steps"] > 0 and engine_thread["overlapped_steps"] > 0
+        assert serial["overlapped_steps"] == 0 and serial["serial_over_overlapped"] > 0
+        # a CPU's calls return at once: no dispatch thread by default
+        assert not overlapped["dispatch_thread"] and not engine_thread["dispatch_thread"]
     # Step FLOP/s and bytes/s from the step shapes; a CPU has no peak, so no MFU / MBU.
     assert all(r["decode_gb_s_p50"] > 0 and r["prefill_tflop_s_p50"] > 0 for r in offline)
     assert all(r["peak"] is None and "decode_mbu_p50" not in r for r in offline)
