@@ -9,7 +9,9 @@ Run from the repo root; nothing is installed. Stages run in this order, each in 
 process under its own timeout (a stage that times out or crashes leaves one line saying
 so, and the next stage runs):
 
-  env        versions, devices, memory, whether Triton kernels lower for CUDA
+  env        versions, devices, memory, whether Triton kernels lower for CUDA; what a
+             lax.cond costs: whether it holds the calling thread until the device gets
+             there, and one executed cond's round trip
   check      each kernel against its jnp reference on the device
   attention  decode HBM GB/s at 1 / 8 / 64 sequences of 1k context; 2k prefill TFLOP/s
   matmul     grouped matmul GB/s over the experts touched at 1 / 8 / 64 decode tokens (bf16,
@@ -77,6 +79,65 @@ def stage_env(emit, args, arm):
          memory=getattr(device, "memory_stats", lambda: None)(),
          xla_flags=os.environ.get("XLA_FLAGS", ""), cuda_lowering=cuda_lowering_error() or "ok",
          commit=_git_head())
+    emit("env", part="conditional", **conditional_costs(args.small))
+
+
+def conditional_costs(small: bool) -> dict:
+    """What a `lax.cond` costs the caller (the step's sampler runs several): a jitted call
+    of a long computation followed by one cond, against the same with a select, timed to
+    its return (not to its result): on a GPU, if XLA reads the predicate back, the cond's
+    call returns only after the computation before it (`call_returns_ms` near
+    `busy_ms`). Then 32 conds in a row, each on the one before's result, against 32
+    selects: the round trip of one executed cond (`per_cond_us`)."""
+    import jax
+    import jax.numpy as jnp
+
+    n, reps = (64, 4) if small else (4096, 40)
+    x = jnp.ones((n, n), jnp.float32) / n
+
+    def busy(x):
+        return jax.lax.fori_loop(0, reps, lambda _, y: jnp.tanh(y @ x), x)
+
+    def then_cond(x):
+        y = busy(x)
+        return jax.lax.cond(y[0, 0] > -1, lambda: y + 1, lambda: y - 1)
+
+    def then_select(x):
+        y = busy(x)
+        return jnp.where(y[0, 0] > -1, y + 1, y - 1)
+
+    def chain(use_cond):
+        def run(v):
+            for _ in range(32):
+                if use_cond:
+                    v = jax.lax.cond(v[0] > -1, lambda v=v: v * 0.5 + 1, lambda v=v: v * 0.5 - 1)
+                else:
+                    v = jnp.where(v[0] > -1, v * 0.5 + 1, v * 0.5 - 1)
+            return v
+        return run
+
+    def timed(fn, arg, repeats=5):
+        """(median seconds to the call's return, median seconds to its result)."""
+        fn(arg).block_until_ready()
+        returns, results = [], []
+        for _ in range(repeats):
+            start = time.perf_counter()
+            out = fn(arg)
+            returns.append(time.perf_counter() - start)
+            out.block_until_ready()
+            results.append(time.perf_counter() - start)
+        return sorted(returns)[repeats // 2], sorted(results)[repeats // 2]
+
+    ms = lambda seconds: round(seconds * 1e3, 3)
+    _, busy_s = timed(jax.jit(busy), x)
+    cond_return, _ = timed(jax.jit(then_cond), x)
+    select_return, _ = timed(jax.jit(then_select), x)
+    v = jnp.ones(8, jnp.float32)
+    _, conds = timed(jax.jit(chain(True)), v, repeats=21)
+    _, selects = timed(jax.jit(chain(False)), v, repeats=21)
+    return {"busy_ms": ms(busy_s), "call_returns_ms": ms(cond_return),
+            "select_call_returns_ms": ms(select_return),
+            "per_cond_us": round((conds - selects) / 32 * 1e6, 2)}
 
 
 def _kernel_stage(stage, parts):

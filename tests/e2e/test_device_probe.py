@@ -32,6 +32,10 @@ def test_dry_run_reports_every_stage_in_order(tmp_path):
     assert not [r for r in rows if "error" in r]
     by = lambda stage: [r for r in rows if r["stage"] == stage]
     assert by("env")[0]["backend"] == "cpu" and by("env")[0]["cuda_lowering"] == "ok"
+    conditional = by("env")[1]
+    assert conditional["part"] == "conditional" and conditional["busy_ms"] > 0
+    assert conditional["call_returns_ms"] >= 0 and conditional["select_call_returns_ms"] >= 0
+    assert "per_cond_us" in conditional
     checks = by("check")
     assert len(checks) == 5 and all(c["ok"] for c in checks)
     assert {r["name"] for r in by("attention")} == {"decode_s1_ctx64", "decode_s4_ctx64",
