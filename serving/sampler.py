@@ -178,6 +178,28 @@ def _apply_penalties(logits, sa: SamplingArrays):
     return logits - sa.presence_penalty[:, None] * (counts > 0)
 
 
+# On the CPU a branch no row needs is skipped with lax.cond. Elsewhere each cond a step
+# executes costs a round trip: a GPU copies the predicate back to the host, which waits
+# for the device to get there and then queues the branch (XLA's ConditionalThunk). So
+# there a branch of a pass or two over [S, V] runs always and a select keeps what the
+# predicate picks (`_skippable`). Tests set BRANCH_FREE_ON_CPU to run that form here.
+BRANCH_FREE_ON_CPU = False
+
+
+def _cpu_else(cpu, other):
+    """cpu() where the sampler runs on a CPU, other() elsewhere."""
+    if BRANCH_FREE_ON_CPU:
+        return other()
+    return jax.lax.platform_dependent(cpu=cpu, default=other)
+
+
+def _skippable(pred, true_fn, false_fn):
+    """lax.cond(pred, true_fn, false_fn) on the CPU; elsewhere both and a select."""
+    return _cpu_else(
+        lambda: jax.lax.cond(pred, true_fn, false_fn),
+        lambda: jax.tree.map(functools.partial(jnp.where, pred), true_fn(), false_fn()))
+
+
 NUM_CANDIDATES = 1024  # the most likely tokens that top-k / top-p / min-p look at first
 NUM_FEW_CANDIDATES = 64  # ... and before them: enough for common top-k and peaked top-p
 
@@ -264,8 +286,8 @@ def _candidates(scaled, sa: SamplingArrays, width: int = NUM_CANDIDATES):
     # top_logits[:, 0]: a second slice of top_k's sort keeps XLA from making it a TopK.)
     top = jnp.max(top_logits, axis=-1, keepdims=True)
     top = jnp.where(jnp.isfinite(top), top, 0.0)
-    whole = jax.lax.cond(jnp.all(k_inside), lambda: jnp.zeros(scaled.shape[0], scaled.dtype),
-                         lambda: (jnp.log(jnp.sum(jnp.exp(scaled - top), axis=-1)) + top[:, 0]))
+    whole = _skippable(jnp.all(k_inside), lambda: jnp.zeros(scaled.shape[0], scaled.dtype),
+                       lambda: (jnp.log(jnp.sum(jnp.exp(scaled - top), axis=-1)) + top[:, 0]))
     normalizer = jnp.where(k_inside, jax.nn.logsumexp(topk_masked, axis=-1), whole)
     kept, probs, above = _keep(top_logits, normalizer, sa)
     # Top-p: the last candidate is dropped (so is any token past it, as likely or less).
@@ -311,8 +333,8 @@ def _random_sample(scaled, sa: SamplingArrays):
     filtered = jax.lax.cond(jnp.any(filters & random_rows),
                             lambda: _filtered_sample(scaled, sa, filters & random_rows),
                             lambda: none)
-    plain = jax.lax.cond(jnp.any(~filters & random_rows),
-                         lambda: softmax_draw(scaled, sa.seed, sa.output_index), lambda: none)
+    plain = _skippable(jnp.any(~filters & random_rows),
+                       lambda: softmax_draw(scaled, sa.seed, sa.output_index), lambda: none)
     return jnp.where(filters, filtered, plain)
 
 
@@ -341,7 +363,8 @@ def sample(logits: jax.Array, sa: SamplingArrays) -> SamplerOutput:
 
     A plain greedy step is the argmax alone. Everything else runs under `lax.cond`, only
     in steps where some row needs it: the grammar mask (structured outputs), the
-    min_tokens block, penalties, random sampling, logprobs. On CPU those branches take
+    min_tokens block, penalties, random sampling, logprobs (off the CPU, branches of a
+    pass or two run always instead: `_skippable`). On CPU those branches take
     CPU_ROW_CHUNK rows at a time: their [S, V] temporaries would otherwise grow the step's
     scratch buffer (one allocation, sized for every branch) past what the allocator
     reuses, and every step, greedy ones too, would page-fault ~S * V * 4 bytes afresh."""
@@ -350,8 +373,11 @@ def sample(logits: jax.Array, sa: SamplingArrays) -> SamplerOutput:
 
     def rows(take, sa):
         """The branches for some rows (their tokens never depend on the other rows')."""
-        token = jax.lax.cond(_special(sa), lambda: _processed(take, sa),
-                             lambda: block_argmax(take()))
+        # (Off the CPU no cond: a row without edits or temperature picks the argmax of
+        # its logits / 1, the same token.)
+        token = _cpu_else(lambda: jax.lax.cond(_special(sa), lambda: _processed(take, sa),
+                                               lambda: block_argmax(take())),
+                          lambda: _processed(take, sa))
         # Log-softmax and the top-20 of the raw distribution, only when some row asked.
         logprobs = jax.lax.cond(
             sa.want_logprobs, lambda: token_logprobs(jax.nn.log_softmax(take(), axis=-1), token),
@@ -435,8 +461,8 @@ def _edited(logits, sa: SamplingArrays):
 
 def _pick(scaled, sa: SamplingArrays):
     """Greedy rows' argmax; random sampling only when some row samples."""
-    greedy = jax.lax.cond(jnp.any(sa.temperature < SAMPLING_EPS), lambda: block_argmax(scaled),
-                          lambda: jnp.zeros(scaled.shape[0], jnp.int32))
+    greedy = _skippable(jnp.any(sa.temperature < SAMPLING_EPS), lambda: block_argmax(scaled),
+                        lambda: jnp.zeros(scaled.shape[0], jnp.int32))
     return jax.lax.cond(
         jnp.all(sa.temperature < SAMPLING_EPS), lambda: greedy,
         lambda: jnp.where(sa.temperature < SAMPLING_EPS, greedy, _random_sample(scaled, sa)))

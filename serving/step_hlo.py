@@ -214,6 +214,28 @@ class StepModule:
         return {"per_layer": per_layer, "outside": outside}
 
 
+def runtime_conditionals(module: StepModule, ops) -> int:
+    """Conditionals under `ops` that choose a branch at run time (on a GPU each one run
+    reads its predicate back to the host): `case`/`if` ops of two or more branches whose
+    index is not a constant, nor `platform_dependent`'s platform index (a `case` of
+    constants over a constant)."""
+    def constant(value) -> bool:
+        owner = value.owner
+        name = getattr(owner, "name", None)
+        if name == "stablehlo.constant":
+            return True
+        return name == "stablehlo.case" and constant(owner.operands[0])
+
+    found = [0]
+
+    def visit(op):
+        if (op.operation.name in ("stablehlo.case", "stablehlo.if")
+                and len(op.regions) >= 2 and not constant(op.operands[0])):
+            found[0] += 1
+    module.walk(ops, visit)
+    return found[0]
+
+
 def heavy(counter: collections.Counter) -> dict[str, int]:
     """The heavy-op part of a counter, short names, sorted."""
     return {name.split(".")[1]: n for name, n in sorted(counter.items()) if name in HEAVY_OPS}
@@ -224,6 +246,7 @@ def summary(runner, bucket, *, platforms=("cuda",)) -> dict:
     lowered = lower_step(runner, bucket, platforms)
     module = StepModule(lowered, stacked_weight_types(runner))
     counts = module.op_counts()
+    loops = module.layer_loops()
     layers = segment_counts(runner)
     per_layer = counts["per_layer"]
     outside = counts["outside"]
@@ -238,6 +261,10 @@ def summary(runner, bucket, *, platforms=("cuda",)) -> dict:
         "outside_heavy": sum(heavy(outside).values()),
         "outside_heavy_by_op": heavy(outside),
         "per_step_heavy": sum(heavy(outside).values()) + int(np.dot(layers, heavy_per_layer)),
+        "per_layer_conditionals": [runtime_conditionals(module, loop.regions[1].blocks[0]
+                                                        .operations) for loop in loops],
+        "outside_conditionals": runtime_conditionals(
+            module, [op for op in module._top_level() if op not in loops]),
     }
 
 
@@ -253,11 +280,12 @@ def sampler_summary(num_seqs: int, vocab: int, max_model_len: int, *,
                                     sampling).lower(lowering_platforms=tuple(platforms))
     module = StepModule(lowered)
     counter: collections.Counter[str] = collections.Counter()
-    module.walk(module.main.regions[0].blocks[0].operations,
-                lambda op: counter.update([op.operation.name]))
+    ops = module.main.regions[0].blocks[0].operations
+    module.walk(ops, lambda op: counter.update([op.operation.name]))
     by_op = heavy(counter)
     return {"num_seqs": num_seqs, "vocab": vocab, "ops": sum(counter.values()),
-            "heavy": sum(by_op.values()), "heavy_by_op": by_op}
+            "heavy": sum(by_op.values()), "heavy_by_op": by_op,
+            "conditionals": runtime_conditionals(module, ops)}
 
 
 def weight_reads(runner, bucket, *, platforms=("cuda",)) -> dict:

@@ -5,7 +5,7 @@ import jax.numpy as jnp
 import numpy as np
 import pytest
 
-from serving.request import SamplingParams
+from serving.request import SamplingParams, uses_penalties
 from serving.sampler import SamplingEntry, build_sampling_arrays, sample
 
 _sample = jax.jit(sample)
@@ -362,3 +362,41 @@ def test_row_chunks_sample_what_one_pass_samples(monkeypatch):
     whole = jax.device_get(jax.jit(sample)(logits, sa))
     for a, b in zip(jax.tree.leaves(chunked), jax.tree.leaves(whole)):
         np.testing.assert_array_equal(a, b)
+
+
+@pytest.mark.parametrize("vocab", [96, 3000])
+def test_the_branch_free_form_samples_what_the_cpu_form_samples(monkeypatch, vocab):
+    """Off the CPU cheap branches run always behind a select (`_skippable`) instead of a
+    lax.cond; every row's token and logprobs are the same, over a step mixing greedy,
+    logprobs, temperature alone, top-k, peaked and flat top-p, min-p, penalties and a
+    min_tokens block."""
+    import serving.sampler as sampler
+    rng = np.random.default_rng(21)
+    logits = (rng.normal(size=(10, vocab)) * np.array(
+        [[4.0], [4.0], [1.0], [4.0], [6.0], [0.05], [3.0], [2.0], [4.0], [1.0]])
+              ).astype(np.float32)
+    params = [SamplingParams(temperature=0.0), SamplingParams(temperature=0.0, logprobs=5),
+              SamplingParams(temperature=0.8), SamplingParams(temperature=0.7, top_k=20),
+              SamplingParams(temperature=0.6, top_p=0.95, top_k=20),
+              SamplingParams(temperature=0.8, top_p=0.9),
+              SamplingParams(temperature=1.0, min_p=0.1),
+              SamplingParams(temperature=0.9, repetition_penalty=1.3, presence_penalty=0.4),
+              SamplingParams(temperature=0.0, frequency_penalty=0.5),
+              SamplingParams(temperature=1.0, top_p=0.8, min_tokens=4)]
+    entries = [SamplingEntry(p, 50 + i, 2, (3, 7) if p.min_tokens else (),
+                             [1, 2, 2, 5] if uses_penalties(p) else None, 2)
+               for i, p in enumerate(params)]
+    sa = build_sampling_arrays(entries, 10, 16, vocab)
+    cpu_form = jax.device_get(jax.jit(sample)(logits, sa))
+    for only in ([0], [0, 1], [2, 3, 4, 5, 6, 9]):  # steps with fewer kinds of row
+        part = build_sampling_arrays([entries[i] for i in only], len(only), 16, vocab)
+        cpu_part = jax.device_get(jax.jit(sample)(logits[only], part))
+        monkeypatch.setattr(sampler, "BRANCH_FREE_ON_CPU", True)
+        free_part = jax.device_get(jax.jit(sample)(logits[only], part))
+        monkeypatch.setattr(sampler, "BRANCH_FREE_ON_CPU", False)
+        np.testing.assert_array_equal(free_part.token_ids, cpu_part.token_ids)
+    monkeypatch.setattr(sampler, "BRANCH_FREE_ON_CPU", True)
+    free = jax.device_get(jax.jit(sample)(logits, sa))
+    np.testing.assert_array_equal(free.token_ids, cpu_form.token_ids)
+    for a, b in zip(jax.tree.leaves(free.logprobs), jax.tree.leaves(cpu_form.logprobs)):
+        np.testing.assert_allclose(a, b, rtol=1e-6, atol=1e-6)

@@ -89,3 +89,15 @@ def test_quantized_weights_enter_the_kernels_whole(quantization, stored):
     summary = step_hlo.summary(runner, (8, 4))
     assert summary["per_layer_heavy"][0] <= PER_LAYER_CEILING, summary
     assert "dot_general" not in summary["per_layer_heavy_by_op"][0]
+
+
+def test_runtime_conditionals_are_the_samplers_and_fewer_for_cuda(runner):
+    # On a GPU each conditional a step runs reads its predicate back to the host (the
+    # dispatch thread waits there, the device's queue drains): none in the layers; the
+    # step's are the sampler's, whose one-or-two-pass branches run behind selects there.
+    summary = step_hlo.summary(runner, (8, 4))
+    assert summary["per_layer_conditionals"] == [0]
+    cuda = step_hlo.sampler_summary(4, 151936, 1280)["conditionals"]
+    cpu = step_hlo.sampler_summary(4, 151936, 1280, platforms=("cpu",))["conditionals"]
+    assert summary["outside_conditionals"] == cuda
+    assert cuda <= cpu - 5
