@@ -154,7 +154,6 @@ def test_abort_mid_stream(tiny_ckpt, compile_cache):
     assert run(True) == run(False) and set(run(False)) == {"0", "2"}
 
 
-
 def test_dispatch_thread_gives_the_same_tokens(pair, tiny_ckpt, compile_cache):
     # Device calls from the runner's DispatchThread (its default off the CPU): the same
     # tokens as the serial loop (greedy tokens do not depend on the pool), with swaps,
