@@ -224,3 +224,31 @@ def test_host_work_overlaps_a_step_call_that_blocks(tiny_ckpt, dispatch_thread):
     assert len(step.released) >= 5
     assert all(step.released) if dispatch_thread else not any(step.released)
     assert_no_leak(llm)
+
+
+class _LostDevice(_BlockingStep):
+    """A compiled step whose every call fails, as a lost device's would."""
+
+    def __init__(self):
+        self.calls = 0
+
+    def __call__(self, *args):
+        self.calls += 1
+        raise RuntimeError("device lost")
+
+
+@pytest.mark.parametrize("dispatch_thread", [True, False])
+def test_a_failed_step_call_raises_from_generate(tiny_ckpt, dispatch_thread):
+    # From the dispatch thread the call's error reaches the engine's caller (raised where
+    # the step is read rather than where it is dispatched) as it does from the engine's
+    # thread, and the dispatch thread lives on for the calls after it.
+    llm = LLM(str(tiny_ckpt[0]), async_scheduling=True, **ARGS)
+    runner = llm.llm_engine.runner
+    runner.dispatch_thread = dispatch_thread
+    runner._executables = lost = _LostDevice()
+    with pytest.raises(RuntimeError, match="device lost"):
+        llm.generate(ids(make_prompts([5], seed=2)), GREEDY)
+    assert lost.calls == 1
+    if dispatch_thread:
+        assert runner._dispatch_thread._thread.is_alive()
+        assert runner._dispatch_thread.call(lambda: 42) == 42
