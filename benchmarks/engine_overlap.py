@@ -161,14 +161,7 @@ def blocking_call_runs(engine, seconds: float, steps: int) -> dict:
         for name, thread in (("blocking_call", False), ("blocking_call_dispatch_thread", True)):
             runner.dispatch_thread = thread
             runner._executables = fake = BlockingFakeStep(seconds)
-            for _ in range(3):
-                engine.step()
-            walls = []
-            for _ in range(steps):
-                t = time.perf_counter()
-                engine.step()
-                walls.append(time.perf_counter() - t)
-            wall = statistics.median(walls)
+            wall = statistics.median(_step_walls(engine, steps))
             out[name] = {"wall_ms": round(1e3 * wall, 3), "efficiency": round(seconds / wall, 3)}
             fake.busy_until = 0.0
     finally:
@@ -212,6 +205,11 @@ def decoding_engine(model, num_seqs: int, steps: int, async_scheduling: bool, ca
 
 def timed_steps(engine, device: FakeDevice, steps: int) -> list[float]:
     engine.runner.dispatch = device.dispatch
+    return _step_walls(engine, steps)
+
+
+def _step_walls(engine, steps: int) -> list[float]:
+    """Seconds of each of `steps` engine steps, after 3 untimed ones."""
     for _ in range(3):
         engine.step()
     walls = []
@@ -542,12 +540,10 @@ def main(argv=None) -> dict:
     if not (args.host_only or args.skip_vocab):
         report["vocab_work"] = vocab_work(args)
         print(json.dumps(report["vocab_work"]), file=sys.stderr, flush=True)
-    if args.skip_engine:
-        print(json.dumps(report, indent=1))
-        return report
-    report.update(fake_device_runs(args))
-    if not (args.skip_real or args.host_only):
-        report["tiny_model_cpu"] = real_model(args)
+    if not args.skip_engine:
+        report.update(fake_device_runs(args))
+        if not (args.skip_real or args.host_only):
+            report["tiny_model_cpu"] = real_model(args)
     text = json.dumps(report, indent=1)
     print(text)
     if args.out:
