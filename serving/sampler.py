@@ -16,11 +16,12 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 
+from serving.device_branches import cpu_else, skippable
 from serving.request import SAMPLING_EPS, SamplingParams
-from serving.sampling_draw import gumbel_max, softmax_draw
+from serving.sampling_draw import softmax_draw
+from serving.sampling_filters import filtered_sample
 from serving.structured import TokenMask, inactive_mask
 from serving.vocab_blocks import block_argmax, block_top_k
-from serving.vocab_threshold import top_k_mask, top_p_mask
 
 jax.tree_util.register_dataclass(TokenMask, data_fields=["active", "bits"], meta_fields=[])
 
@@ -178,162 +179,18 @@ def _apply_penalties(logits, sa: SamplingArrays):
     return logits - sa.presence_penalty[:, None] * (counts > 0)
 
 
-# On the CPU a branch no row needs is skipped with lax.cond. Elsewhere each cond a step
-# executes costs a round trip: a GPU copies the predicate back to the host, which waits
-# for the device to get there and then queues the branch (XLA's ConditionalThunk). So
-# there a branch of a pass or two over [S, V] runs always and a select keeps what the
-# predicate picks (`_skippable`). Tests set BRANCH_FREE_ON_CPU to run that form here.
-BRANCH_FREE_ON_CPU = False
-
-
-def _cpu_else(cpu, other):
-    """cpu() where the sampler runs on a CPU, other() elsewhere."""
-    if BRANCH_FREE_ON_CPU:
-        return other()
-    return jax.lax.platform_dependent(cpu=cpu, default=other)
-
-
-def _skippable(pred, true_fn, false_fn):
-    """lax.cond(pred, true_fn, false_fn) on the CPU; elsewhere both and a select."""
-    return _cpu_else(
-        lambda: jax.lax.cond(pred, true_fn, false_fn),
-        lambda: jax.tree.map(functools.partial(jnp.where, pred), true_fn(), false_fn()))
-
-
-NUM_CANDIDATES = 1024  # the most likely tokens that top-k / top-p / min-p look at first
-NUM_FEW_CANDIDATES = 64  # ... and before them: enough for common top-k and peaked top-p
-
-
-def _keep(sorted_logits, log_normalizer, sa: SamplingArrays):
-    """Top-k, then top-p and min-p over a row's tokens sorted most likely first (all of
-    them or a prefix): the logits kept (-inf elsewhere), the probabilities, and each
-    token's `above`: the mass of the tokens more likely than it. Top-p keeps a token
-    when that is below top_p, so a tie is kept or dropped whole (as
-    `vocab_threshold.top_p_mask` keeps it)."""
-    width = sorted_logits.shape[-1]
-    rank = jnp.arange(width)[None, :]
-    masked = jnp.where((rank < sa.top_k[:, None]) | (sa.top_k[:, None] <= 0), sorted_logits,
-                       -jnp.inf)
-    probs = jnp.exp(masked - log_normalizer[:, None])
-    before = jnp.cumsum(probs, axis=-1) - probs  # mass before each token, ties' included
-    first = jnp.concatenate([jnp.ones_like(masked[:, :1], bool),
-                             masked[:, 1:] != masked[:, :-1]], axis=-1)  # a tie's first
-    above = jax.lax.cummax(jnp.where(first, before, 0.0), axis=1)  # `before` never falls
-    keep = (above < sa.top_p[:, None]) & (probs >= sa.min_p[:, None] * probs[:, :1])
-    return jnp.where(keep | (rank == 0), masked, -jnp.inf), probs, above
-
-
-def _choose(kept, ids, sa: SamplingArrays):
-    """Gumbel-max over the kept candidates (noise by token id: the same in every path)."""
-    return gumbel_max(kept, ids, sa.seed, sa.output_index)
-
-
-def _sorted_sample(scaled, sa: SamplingArrays):
-    """Filters over the whole sorted vocabulary (the fallback: a full sort per row)."""
-    sorted_logits, sorted_ids = jax.lax.top_k(scaled, scaled.shape[-1])  # [S, V] descending
-    masked = jnp.where((jnp.arange(scaled.shape[-1])[None, :] < sa.top_k[:, None])
-                       | (sa.top_k[:, None] <= 0), sorted_logits, -jnp.inf)
-    kept, _, _ = _keep(sorted_logits, jax.nn.logsumexp(masked, axis=-1), sa)
-    return _choose(kept, sorted_ids, sa)
-
-
-def _filtered_sample(scaled, sa: SamplingArrays, rows):
-    """Top-k, then top-p and min-p; a draw from what is kept. `rows`: the rows whose
-    token counts. Each row looks at its NUM_FEW_CANDIDATES most likely tokens first, then
-    at NUM_CANDIDATES (partial top-k, not a sort of the vocabulary), and takes the first
-    of them that decides it: top-k within them, or they hold top-p's mass, or the last is
-    below min-p's floor; Gumbel-max over what is kept. A row neither decides (a flat
-    distribution, a top-k past them) gets its thresholds over the whole vocabulary
-    (`_threshold_sample`). Each part runs only when some row needs it, and a row's path
-    (so its token) depends on that row alone. A vocabulary of at most NUM_CANDIDATES
-    tokens is sorted."""
-    if scaled.shape[-1] <= NUM_CANDIDATES:
-        return _sorted_sample(scaled, sa)
-
-    few, few_ids, few_decided, few_probs = _candidates(scaled, sa, NUM_FEW_CANDIDATES)
-    token = _choose(few, few_ids, sa)
-    # Rows the wider candidates might decide: top-k within them, min-p, or a top-p that
-    # their mass could reach (each token past the few at most as likely as the last).
-    reach = jnp.sum(few_probs, axis=-1) + (NUM_CANDIDATES - NUM_FEW_CANDIDATES) * few_probs[:, -1]
-    maybe = ((sa.top_k > NUM_FEW_CANDIDATES) & (sa.top_k <= NUM_CANDIDATES)) | (
-        (sa.top_k <= 0) & ((sa.min_p > 0) | (reach * (1 + 1e-3) >= sa.top_p)))
-
-    def wider():
-        kept, ids, decided, _ = _candidates(scaled, sa, NUM_CANDIDATES)
-        return jnp.where(decided, _choose(kept, ids, sa), -1)
-
-    def rest():  # rows neither decides: the whole vocabulary
-        wide = jax.lax.cond(jnp.any(maybe & ~few_decided & rows), wider,
-                            lambda: jnp.full_like(token, -1))
-        wide = jnp.where(few_decided, token, wide)
-        return jax.lax.cond(jnp.all((wide >= 0) | ~rows), lambda: wide,
-                            lambda: jnp.where(wide >= 0, wide, _threshold_sample(scaled, sa)))
-
-    return jax.lax.cond(jnp.all(few_decided | ~rows), lambda: token, rest)
-
-
-def _candidates(scaled, sa: SamplingArrays, width: int = NUM_CANDIDATES):
-    """The `width` most likely tokens of each row: what the filters keep of them, their
-    ids, whether they decide the row (nothing past them could be kept), and their
-    probabilities."""
-    top_logits, top_ids = block_top_k(scaled, width)
-    k_inside = (sa.top_k > 0) & (sa.top_k <= width)
-    topk_masked = jnp.where(jnp.arange(width)[None, :] < sa.top_k[:, None], top_logits,
-                            -jnp.inf)
-    # The distribution top-p and min-p read: over the top k tokens, or the whole vocabulary.
-    # (The whole-vocabulary pass only when some row has no top-k within the candidates;
-    # jax.nn.logsumexp's, but the max is the candidates', not a pass of its own. Not
-    # top_logits[:, 0]: a second slice of top_k's sort keeps XLA from making it a TopK.)
-    top = jnp.max(top_logits, axis=-1, keepdims=True)
-    top = jnp.where(jnp.isfinite(top), top, 0.0)
-    whole = _skippable(jnp.all(k_inside), lambda: jnp.zeros(scaled.shape[0], scaled.dtype),
-                       lambda: (jnp.log(jnp.sum(jnp.exp(scaled - top), axis=-1)) + top[:, 0]))
-    normalizer = jnp.where(k_inside, jax.nn.logsumexp(topk_masked, axis=-1), whole)
-    kept, probs, above = _keep(top_logits, normalizer, sa)
-    # Top-p: the last candidate is dropped (so is any token past it, as likely or less).
-    decided = k_inside | ((sa.top_k <= 0) & (
-        ((sa.top_p < 1) & (above[:, -1] >= sa.top_p))
-        | ((sa.min_p > 0) & (probs[:, -1] < sa.min_p * probs[:, 0]))))
-    return kept, top_ids, decided, probs
-
-
-def _threshold_sample(scaled, sa: SamplingArrays):
-    """A draw (`softmax_draw`) from what `_threshold_kept` keeps."""
-    kept = _threshold_kept(scaled, sa)
-    return softmax_draw(jnp.where(kept, scaled, -jnp.inf), sa.seed, sa.output_index)
-
-
-def _threshold_kept(scaled, sa: SamplingArrays):
-    """bool[R, V]: top-k, then top-p and min-p over the whole vocabulary by thresholds
-    (`vocab_threshold`: radix selects, no sort): the tokens `_keep` keeps, up to float32
-    rounding of the sums at top-p's edge."""
-    vocab = scaled.shape[-1]
-    wide_k = (sa.top_k > 0) & (sa.top_k < vocab)
-    every = jnp.ones(scaled.shape, bool)
-    in_top_k = jax.lax.cond(jnp.any(wide_k),
-                            lambda: top_k_mask(scaled, jnp.where(wide_k, sa.top_k, 0)),
-                            lambda: every)
-    # each token's weight relative to the most likely (always in the top k): in [0, 1]
-    top = jnp.max(scaled, axis=-1, keepdims=True)
-    weight = jnp.where(in_top_k, jnp.exp(scaled - jnp.where(jnp.isfinite(top), top, 0.0)), 0.0)
-    cut = sa.top_p < 1
-    in_top_p = jax.lax.cond(jnp.any(cut), lambda: top_p_mask(weight, sa.top_p) | ~cut[:, None],
-                            lambda: every)
-    return in_top_k & in_top_p & (weight >= sa.min_p[:, None])
-
-
 def _random_sample(scaled, sa: SamplingArrays):
     """A draw from each row's softmax(scaled) (logits / temperature). Rows that filter
-    (top-k, top-p, min-p) go through `_filtered_sample`, the others through
-    `softmax_draw`; each part runs only when some random row needs it. A row's token
+    (top-k, top-p, min-p) go through `filtered_sample` (serving/sampling_filters.py), the
+    others through `softmax_draw`; each part runs only when some random row needs it. A row's token
     never depends on the other rows (same noise, same kept set)."""
     random_rows = sa.temperature >= SAMPLING_EPS
     filters = (sa.top_k > 0) | (sa.top_p < 1) | (sa.min_p > 0)
     none = jnp.zeros(scaled.shape[0], jnp.int32)
     filtered = jax.lax.cond(jnp.any(filters & random_rows),
-                            lambda: _filtered_sample(scaled, sa, filters & random_rows),
+                            lambda: filtered_sample(scaled, sa, filters & random_rows),
                             lambda: none)
-    plain = _skippable(jnp.any(~filters & random_rows),
+    plain = skippable(jnp.any(~filters & random_rows),
                        lambda: softmax_draw(scaled, sa.seed, sa.output_index), lambda: none)
     return jnp.where(filters, filtered, plain)
 
@@ -364,7 +221,7 @@ def sample(logits: jax.Array, sa: SamplingArrays) -> SamplerOutput:
     A plain greedy step is the argmax alone. Everything else runs under `lax.cond`, only
     in steps where some row needs it: the grammar mask (structured outputs), the
     min_tokens block, penalties, random sampling, logprobs (off the CPU, branches of a
-    pass or two run always instead: `_skippable`). On CPU those branches take
+    pass or two run always instead: `skippable`). On CPU those branches take
     CPU_ROW_CHUNK rows at a time: their [S, V] temporaries would otherwise grow the step's
     scratch buffer (one allocation, sized for every branch) past what the allocator
     reuses, and every step, greedy ones too, would page-fault ~S * V * 4 bytes afresh."""
@@ -375,7 +232,7 @@ def sample(logits: jax.Array, sa: SamplingArrays) -> SamplerOutput:
         """The branches for some rows (their tokens never depend on the other rows')."""
         # (Off the CPU no cond: a row without edits or temperature picks the argmax of
         # its logits / 1, the same token.)
-        token = _cpu_else(lambda: jax.lax.cond(_special(sa), lambda: _processed(take, sa),
+        token = cpu_else(lambda: jax.lax.cond(_special(sa), lambda: _processed(take, sa),
                                                lambda: block_argmax(take())),
                           lambda: _processed(take, sa))
         # Log-softmax and the top-20 of the raw distribution, only when some row asked.
@@ -461,7 +318,7 @@ def _edited(logits, sa: SamplingArrays):
 
 def _pick(scaled, sa: SamplingArrays):
     """Greedy rows' argmax; random sampling only when some row samples."""
-    greedy = _skippable(jnp.any(sa.temperature < SAMPLING_EPS), lambda: block_argmax(scaled),
+    greedy = skippable(jnp.any(sa.temperature < SAMPLING_EPS), lambda: block_argmax(scaled),
                         lambda: jnp.zeros(scaled.shape[0], jnp.int32))
     return jax.lax.cond(
         jnp.all(sa.temperature < SAMPLING_EPS), lambda: greedy,

@@ -184,7 +184,7 @@ def test_softmax_draw_follows_the_softmax():
 
 def _sorted_kept(scaled, sa):
     """bool[R, V]: what the full sort's filters keep of each row's finite logits."""
-    from serving.sampler import _keep
+    from serving.sampling_filters import _keep
     vocab = scaled.shape[-1]
     sorted_logits, ids = jax.lax.top_k(scaled, vocab)
     masked = jnp.where((jnp.arange(vocab)[None, :] < sa.top_k[:, None]) | (sa.top_k[:, None] <= 0),
@@ -200,12 +200,12 @@ def test_candidate_filtering_keeps_what_the_full_sort_keeps(peaked):
     others (flat logits: the candidates cannot hold top-p's mass; top-k past them) keep,
     by thresholds over the whole vocabulary, exactly the tokens the full sort keeps, and
     draw one of them."""
-    from serving.sampler import (
+    from serving.sampling_filters import (
         NUM_CANDIDATES,
         _candidates,
-        _filtered_sample,
         _sorted_sample,
         _threshold_kept,
+        filtered_sample,
     )
     vocab, rows = 3 * NUM_CANDIDATES + 5, 60
     rng = np.random.default_rng(3)
@@ -216,7 +216,7 @@ def test_candidate_filtering_keeps_what_the_full_sort_keeps(peaked):
     entries = [SamplingEntry(params[i % 5], 100 + i, i, (), None, 0) for i in range(rows)]
     sa = build_sampling_arrays(entries, rows, 16, vocab)
     scaled = np.asarray(logits / sa.temperature[:, None], np.float32)
-    fast = jax.device_get(jax.jit(_filtered_sample)(scaled, sa, np.ones(rows, bool)))
+    fast = jax.device_get(jax.jit(filtered_sample)(scaled, sa, np.ones(rows, bool)))
     full = jax.device_get(jax.jit(_sorted_sample)(scaled, sa))
     decided = np.asarray(jax.jit(_candidates)(scaled, sa)[2])
     np.testing.assert_array_equal(fast[decided], full[decided])
@@ -273,7 +273,8 @@ def test_a_rows_token_never_depends_on_its_neighbours():
     """Seeded rows of one step, flat (the whole-vocabulary thresholds) and peaked (the
     candidates), draw the same token alone as in CPU chunks beside the other kind."""
     import serving.sampler as sampler
-    vocab = 3 * sampler.NUM_CANDIDATES + 5
+    from serving.sampling_filters import NUM_CANDIDATES
+    vocab = 3 * NUM_CANDIDATES + 5
     rng = np.random.default_rng(12)
     logits = (rng.normal(size=(6, vocab)) * np.array([[0.05], [6.0]] * 3)).astype(np.float32)
     params = [SamplingParams(temperature=0.8, top_p=0.9, seed=1),
@@ -325,7 +326,12 @@ def test_few_candidates_draw_what_the_full_sort_draws(spread):
     candidates (spread 6: peaked) and rows that need the wider ones (top-k 65) draw the
     full sort's tokens; rows neither decides (spread 1: top-p 0.9 needs more than 1,024
     tokens) draw one the full sort keeps."""
-    from serving.sampler import NUM_FEW_CANDIDATES, _candidates, _filtered_sample, _sorted_sample
+    from serving.sampling_filters import (
+        NUM_FEW_CANDIDATES,
+        _candidates,
+        _sorted_sample,
+        filtered_sample,
+    )
     vocab, rows = 40_000, 16
     logits = np.random.default_rng(5).normal(size=(rows, vocab)) * spread
     params = [SamplingParams(temperature=0.8, top_p=0.9, top_k=50),
@@ -334,7 +340,7 @@ def test_few_candidates_draw_what_the_full_sort_draws(spread):
     entries = [SamplingEntry(params[i % 4], 200 + i, i, (), None, 0) for i in range(rows)]
     sa = build_sampling_arrays(entries, rows, 16, vocab)
     scaled = np.asarray(logits / sa.temperature[:, None], np.float32)
-    fast = jax.device_get(jax.jit(_filtered_sample)(scaled, sa, np.ones(rows, bool)))
+    fast = jax.device_get(jax.jit(filtered_sample)(scaled, sa, np.ones(rows, bool)))
     full = jax.device_get(jax.jit(_sorted_sample)(scaled, sa))
     decided = np.asarray(jax.jit(_candidates, static_argnums=2)(scaled, sa,
                                                                 NUM_FEW_CANDIDATES)[2])
@@ -365,11 +371,11 @@ def test_row_chunks_sample_what_one_pass_samples(monkeypatch):
 
 
 def test_the_branch_free_form_samples_what_the_cpu_form_samples(monkeypatch, vocab=3000):
-    """Off the CPU cheap branches run always behind a select (`_skippable`) instead of a
-    lax.cond; every row's token and logprobs are the same, over a step mixing greedy,
+    """Off the CPU cheap branches run always behind a select (`device_branches.skippable`)
+    instead of a lax.cond; every row's token and logprobs are the same, over a step mixing greedy,
     logprobs, temperature alone, top-k, peaked and flat top-p, min-p, penalties and a
     min_tokens block."""
-    import serving.sampler as sampler
+    import serving.device_branches as branches
     rng = np.random.default_rng(21)
     logits = (rng.normal(size=(10, vocab)) * np.array(
         [[4.0], [4.0], [1.0], [4.0], [6.0], [0.05], [3.0], [2.0], [4.0], [1.0]])
@@ -390,11 +396,11 @@ def test_the_branch_free_form_samples_what_the_cpu_form_samples(monkeypatch, voc
     for only in ([0, 1], [2, 3, 4, 5, 6, 9]):  # steps with fewer kinds of row
         part = build_sampling_arrays([entries[i] for i in only], len(only), 16, vocab)
         cpu_part = jax.device_get(jax.jit(sample)(logits[only], part))
-        monkeypatch.setattr(sampler, "BRANCH_FREE_ON_CPU", True)
+        monkeypatch.setattr(branches, "BRANCH_FREE_ON_CPU", True)
         free_part = jax.device_get(jax.jit(sample)(logits[only], part))
-        monkeypatch.setattr(sampler, "BRANCH_FREE_ON_CPU", False)
+        monkeypatch.setattr(branches, "BRANCH_FREE_ON_CPU", False)
         np.testing.assert_array_equal(free_part.token_ids, cpu_part.token_ids)
-    monkeypatch.setattr(sampler, "BRANCH_FREE_ON_CPU", True)
+    monkeypatch.setattr(branches, "BRANCH_FREE_ON_CPU", True)
     free = jax.device_get(jax.jit(sample)(logits, sa))
     np.testing.assert_array_equal(free.token_ids, cpu_form.token_ids)
     for a, b in zip(jax.tree.leaves(free.logprobs), jax.tree.leaves(cpu_form.logprobs)):
