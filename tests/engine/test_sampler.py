@@ -11,6 +11,17 @@ from serving.sampler import SamplingEntry, build_sampling_arrays, sample
 _sample = jax.jit(sample)
 
 
+def traced_afresh():
+    """jit(sample) traced anew: `jax.jit(sample)` would reuse a trace made before a test
+    patched what tracing reads (CPU_ROW_CHUNK, BRANCH_FREE_ON_CPU, lax.cond)."""
+    return jax.jit(lambda logits, sa: sample(logits, sa))
+
+
+def num_conds(logits, sa) -> int:
+    """lax.cond / lax.switch equations in the sampler's jaxpr (nested ones included)."""
+    return str(jax.make_jaxpr(lambda x, s: sample(x, s))(logits, sa)).count(" cond[")
+
+
 def run(logits, params, *, output_index=0, seed=7, tokens=None, num_prompt=0, blocked=()):
     logits = np.asarray(logits, np.float32)
     entry = SamplingEntry(params, seed, output_index, blocked, tokens, num_prompt)
@@ -363,9 +374,9 @@ def test_row_chunks_sample_what_one_pass_samples(monkeypatch):
     entries = [SamplingEntry(params[i % 3], 300 + i, i, (5,) if i == 4 else (), None, 0)
                for i in range(6)]
     sa = build_sampling_arrays(entries, 6, 16, 3000)
-    chunked = jax.device_get(jax.jit(sample)(logits, sa))
+    chunked = jax.device_get(traced_afresh()(logits, sa))
     monkeypatch.setattr(sampler, "CPU_ROW_CHUNK", 6)
-    whole = jax.device_get(jax.jit(sample)(logits, sa))
+    whole = jax.device_get(traced_afresh()(logits, sa))
     for a, b in zip(jax.tree.leaves(chunked), jax.tree.leaves(whole)):
         np.testing.assert_array_equal(a, b)
 
@@ -392,16 +403,18 @@ def test_the_branch_free_form_samples_what_the_cpu_form_samples(monkeypatch, voc
                              [1, 2, 2, 5] if uses_penalties(p) else None, 2)
                for i, p in enumerate(params)]
     sa = build_sampling_arrays(entries, 10, 16, vocab)
-    cpu_form = jax.device_get(jax.jit(sample)(logits, sa))
+    cpu_form = jax.device_get(traced_afresh()(logits, sa))
+    cpu_conds = num_conds(logits, sa)
     for only in ([0, 1], [2, 3, 4, 5, 6, 9]):  # steps with fewer kinds of row
         part = build_sampling_arrays([entries[i] for i in only], len(only), 16, vocab)
-        cpu_part = jax.device_get(jax.jit(sample)(logits[only], part))
+        cpu_part = jax.device_get(traced_afresh()(logits[only], part))
         monkeypatch.setattr(branches, "BRANCH_FREE_ON_CPU", True)
-        free_part = jax.device_get(jax.jit(sample)(logits[only], part))
+        free_part = jax.device_get(traced_afresh()(logits[only], part))
         monkeypatch.setattr(branches, "BRANCH_FREE_ON_CPU", False)
         np.testing.assert_array_equal(free_part.token_ids, cpu_part.token_ids)
     monkeypatch.setattr(branches, "BRANCH_FREE_ON_CPU", True)
-    free = jax.device_get(jax.jit(sample)(logits, sa))
+    free = jax.device_get(traced_afresh()(logits, sa))
+    assert num_conds(logits, sa) < cpu_conds  # the other form was traced
     np.testing.assert_array_equal(free.token_ids, cpu_form.token_ids)
     for a, b in zip(jax.tree.leaves(free.logprobs), jax.tree.leaves(cpu_form.logprobs)):
         np.testing.assert_allclose(a, b, rtol=1e-6, atol=1e-6)
