@@ -19,7 +19,12 @@ import numpy as np
 from serving.device_branches import cpu_else, skippable
 from serving.request import SAMPLING_EPS, SamplingParams
 from serving.sampling_draw import softmax_draw
-from serving.sampling_filters import filtered_sample
+from serving.sampling_filters import (
+    NUM_CANDIDATES,
+    NUM_FEW_CANDIDATES,
+    few_candidates_sample,
+    filtered_sample,
+)
 from serving.structured import TokenMask, inactive_mask
 from serving.vocab_blocks import block_argmax, block_top_k
 
@@ -215,21 +220,41 @@ def token_logprobs(logprobs: jax.Array, tokens: jax.Array) -> TokenLogprobs:
                          top_ids=top_ids.astype(jnp.int32), top_logprobs=top_logprobs)
 
 
+# The step's sampler path, chosen on the device from the step's rows (`_path`).
+GREEDY, GENERAL, FEW = 0, 1, 2
+
+
+def _path(sa: SamplingArrays, vocab: int):
+    """GREEDY: the argmax alone (no row samples, edits its logits or asks for logprobs).
+    FEW: every sampling row has a top-k within the few candidates and no row has edits or
+    logprobs (Qwen3's recommended settings: top-k 20): the few candidates decide every row,
+    with no branch of their own. GENERAL: the rest, each part under its own cond."""
+    random_rows = sa.temperature >= SAMPLING_EPS
+    few = (vocab > NUM_CANDIDATES) & jnp.all(
+        ~random_rows | ((sa.top_k > 0) & (sa.top_k <= NUM_FEW_CANDIDATES)))
+    return jnp.where(~_special(sa) & ~sa.want_logprobs, GREEDY,
+                     jnp.where(few & ~_edits(sa) & ~sa.want_logprobs, FEW, GENERAL))
+
+
 def sample(logits: jax.Array, sa: SamplingArrays) -> SamplerOutput:
     """logits: f32[S, V] -> sampled ids and logprobs of the raw distribution.
 
-    A plain greedy step is the argmax alone. Everything else runs under `lax.cond`, only
+    One `lax.switch` picks the step's path (`_path`): a plain greedy step is the argmax
+    alone; off the CPU, a step whose sampling rows all have a small top-k is the few
+    candidates' draw; in the general path each part runs under its own `lax.cond`, only
     in steps where some row needs it: the grammar mask (structured outputs), the
     min_tokens block, penalties, random sampling, logprobs (off the CPU, branches of a
-    pass or two run always instead: `skippable`). On CPU those branches take
-    CPU_ROW_CHUNK rows at a time: their [S, V] temporaries would otherwise grow the step's
-    scratch buffer (one allocation, sized for every branch) past what the allocator
-    reuses, and every step, greedy ones too, would page-fault ~S * V * 4 bytes afresh."""
+    pass or two run always instead: `skippable`). So off the CPU a greedy step and a step
+    of Qwen3's recommended sampling run one conditional (on a GPU each is a round trip to
+    the host). On CPU the branches take CPU_ROW_CHUNK rows at a time: their [S, V]
+    temporaries would otherwise grow the step's scratch buffer (one allocation, sized for
+    every branch) past what the allocator reuses, and every step, greedy ones too, would
+    page-fault ~S * V * 4 bytes afresh."""
     num_seqs, vocab = logits.shape
     num_top = min(NUM_TOP_LOGPROBS, vocab)
 
     def rows(take, sa):
-        """The branches for some rows (their tokens never depend on the other rows')."""
+        """The general path for some rows (their tokens never depend on the other rows')."""
         # (Off the CPU no cond: a row without edits or temperature picks the argmax of
         # its logits / 1, the same token.)
         token = cpu_else(lambda: jax.lax.cond(_special(sa), lambda: _processed(take, sa),
@@ -241,14 +266,24 @@ def sample(logits: jax.Array, sa: SamplingArrays) -> SamplerOutput:
             lambda: _no_logprobs(token.shape[0], num_top))
         return token, logprobs
 
-    def chunked(chunk):
-        return lambda: _by_row_chunks(rows, chunk, logits, sa)
+    def few_rows(take, sa):
+        scaled = take() / _divisor(sa)
+        return (_with_greedy_rows(scaled, sa, few_candidates_sample(scaled, sa)),
+                _no_logprobs(scaled.shape[0], num_top))
 
-    token, logprobs = jax.lax.cond(
-        _special(sa) | sa.want_logprobs,
-        lambda: jax.lax.platform_dependent(cpu=chunked(CPU_ROW_CHUNK),
-                                           default=chunked(num_seqs)),
-        lambda: (block_argmax(logits), _no_logprobs(num_seqs, num_top)))
+    def chunked(fn):
+        return lambda: jax.lax.platform_dependent(
+            cpu=lambda: _by_row_chunks(fn, CPU_ROW_CHUNK, logits, sa),
+            default=lambda: _by_row_chunks(fn, num_seqs, logits, sa))
+
+    paths = [lambda: (block_argmax(logits), _no_logprobs(num_seqs, num_top)), chunked(rows)]
+    path = _path(sa, vocab)
+    # The CPU has no FEW path: there a cond costs microseconds, and the general path's
+    # conds keep XLA from computing the scaled logits twice, once for each reader.
+    token, logprobs = cpu_else(
+        lambda: jax.lax.switch(jnp.minimum(path, GENERAL), paths),
+        lambda: jax.lax.switch(path, paths + ([chunked(few_rows)] if vocab > NUM_CANDIDATES
+                                              else [])))
     return SamplerOutput(token_ids=token, logprobs=logprobs)
 
 
@@ -284,19 +319,24 @@ def _by_row_chunks(fn, chunk: int, logits, sa: SamplingArrays):
     split = jax.tree.map(lambda a: a.reshape(num_chunks, chunk, *a.shape[1:]) if a.ndim
                          else jnp.broadcast_to(a, (num_chunks,)), sa)
 
-    def one_chunk(carry, xs):
-        i, rows_sa = xs
-        return carry, fn(lambda: jax.lax.dynamic_slice_in_dim(logits, i * chunk, chunk), rows_sa)
+    def one_chunk(start, rows_sa):  # the offset rides in the carry: a scalar in the body
+        return start + chunk, fn(lambda: jax.lax.dynamic_slice_in_dim(logits, start, chunk),
+                                 rows_sa)
 
-    _, out = jax.lax.scan(one_chunk, None, (jnp.arange(num_chunks), split))
+    _, out = jax.lax.scan(one_chunk, jnp.int32(0), split)
     return jax.tree.map(lambda a: a.reshape(num_rows, *a.shape[2:]), out)
+
+
+def _divisor(sa: SamplingArrays):
+    """f32[S, 1]: each row's temperature, 1 for greedy rows."""
+    return jnp.where(sa.temperature < SAMPLING_EPS, 1.0, sa.temperature)[:, None]
 
 
 def _processed(take, sa: SamplingArrays):
     """Each row's pick from its logits (take()) divided by its temperature (greedy rows:
     by 1), after the grammar mask, the min_tokens block and penalties where a row has
     one. Either way the logits are read and divided in one pass, with no copy of them."""
-    divisor = jnp.where(sa.temperature < SAMPLING_EPS, 1.0, sa.temperature)[:, None]
+    divisor = _divisor(sa)
     scaled = jax.lax.cond(_edits(sa), lambda: _edited(take(), sa) / divisor,
                           lambda: take() / divisor)
     return _pick(scaled, sa)
@@ -318,11 +358,17 @@ def _edited(logits, sa: SamplingArrays):
 
 def _pick(scaled, sa: SamplingArrays):
     """Greedy rows' argmax; random sampling only when some row samples."""
-    greedy = skippable(jnp.any(sa.temperature < SAMPLING_EPS), lambda: block_argmax(scaled),
-                        lambda: jnp.zeros(scaled.shape[0], jnp.int32))
     return jax.lax.cond(
-        jnp.all(sa.temperature < SAMPLING_EPS), lambda: greedy,
-        lambda: jnp.where(sa.temperature < SAMPLING_EPS, greedy, _random_sample(scaled, sa)))
+        jnp.all(sa.temperature < SAMPLING_EPS), lambda: block_argmax(scaled),
+        lambda: _with_greedy_rows(scaled, sa, _random_sample(scaled, sa)))
+
+
+def _with_greedy_rows(scaled, sa: SamplingArrays, drawn):
+    """The greedy rows' argmax (computed only when some row is greedy), the others' draw."""
+    greedy_rows = sa.temperature < SAMPLING_EPS
+    greedy = skippable(jnp.any(greedy_rows), lambda: block_argmax(scaled),
+                       lambda: jnp.zeros(scaled.shape[0], jnp.int32))
+    return jnp.where(greedy_rows, greedy, drawn)
 
 
 def _no_logprobs(num_rows: int, num_top: int) -> TokenLogprobs:

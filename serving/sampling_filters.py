@@ -86,6 +86,13 @@ def filtered_sample(scaled, sa, rows):
     return jax.lax.cond(jnp.all(few_decided | ~rows), lambda: token, rest)
 
 
+def few_candidates_sample(scaled, sa):
+    """The draw from each row's NUM_FEW_CANDIDATES candidates: `filtered_sample`'s token
+    for rows whose top-k is within them (the only rows it is meant for), with no branch."""
+    few, few_ids, _, _ = _candidates(scaled, sa, NUM_FEW_CANDIDATES)
+    return _choose(few, few_ids, sa)
+
+
 def _candidates(scaled, sa, width: int = NUM_CANDIDATES):
     """The `width` most likely tokens of each row: what the filters keep of them, their
     ids, whether they decide the row (nothing past them could be kept), and their

@@ -418,3 +418,62 @@ def test_the_branch_free_form_samples_what_the_cpu_form_samples(monkeypatch, voc
     np.testing.assert_array_equal(free.token_ids, cpu_form.token_ids)
     for a, b in zip(jax.tree.leaves(free.logprobs), jax.tree.leaves(cpu_form.logprobs)):
         np.testing.assert_allclose(a, b, rtol=1e-6, atol=1e-6)
+
+
+def executed_conditionals(monkeypatch, logits, params):
+    """(tokens, how many lax.cond / lax.switch one sampler call runs) in the form a GPU
+    gets (the branch-free form, one pass over the rows): every branch reports through a
+    debug callback when it runs."""
+    import serving.device_branches as branches
+    import serving.sampler as sampler
+    ran: list[int] = []
+    cond, switch = jax.lax.cond, jax.lax.switch
+
+    def reporting(branch):
+        def run_branch(*operands):
+            jax.debug.callback(lambda: ran.append(1))
+            return branch(*operands)
+        return run_branch
+
+    with monkeypatch.context() as patched:
+        patched.setattr(branches, "BRANCH_FREE_ON_CPU", True)
+        patched.setattr(sampler, "CPU_ROW_CHUNK", logits.shape[0])
+        patched.setattr(jax.lax, "cond", lambda pred, yes, no, *operands, **kw: cond(
+            pred, reporting(yes), reporting(no), *operands, **kw))
+        patched.setattr(jax.lax, "switch", lambda index, fns, *operands, **kw: switch(
+            index, [reporting(fn) for fn in fns], *operands, **kw))
+        tokens = jax.device_get(traced_afresh()(logits, arrays_for(params, logits)).token_ids)
+    jax.effects_barrier()
+    return tokens, len(ran)
+
+
+def arrays_for(params, logits):
+    entries = [SamplingEntry(p, 9, 4 + i, (), None, 0) for i, p in enumerate(params)]
+    return build_sampling_arrays(entries, len(params), 16, logits.shape[1])
+
+
+def test_greedy_and_qwen3_recommended_steps_run_one_conditional(monkeypatch):
+    """On a GPU each conditional a step runs is a round trip to the host. A greedy step
+    runs one (the sampler's path), and so does a step of Qwen3's recommended sampling
+    (temperature 0.6 / 0.7, top-p 0.95 / 0.8, top-k 20) beside greedy rows, drawing the
+    tokens the CPU's general path draws (which a step with logprobs takes on a GPU too)."""
+    from serving.sampling_filters import NUM_CANDIDATES
+    vocab = 2 * NUM_CANDIDATES + 7
+    logits = (np.random.default_rng(31).normal(size=(4, vocab)) * 3).astype(np.float32)
+    greedy = [SamplingParams(temperature=0.0)] * 4
+    qwen3 = [SamplingParams(temperature=0.6, top_p=0.95, top_k=20),
+             SamplingParams(temperature=0.7, top_p=0.8, top_k=20),
+             SamplingParams(temperature=0.0), SamplingParams(temperature=1.0, top_k=64)]
+    with_logprobs = [SamplingParams(temperature=p.temperature, top_p=p.top_p, top_k=p.top_k,
+                                    logprobs=2) for p in qwen3]
+    tokens, runs = executed_conditionals(monkeypatch, logits, greedy)
+    assert runs == 1
+    np.testing.assert_array_equal(tokens, logits.argmax(axis=-1))
+    few_tokens, runs = executed_conditionals(monkeypatch, logits, qwen3)
+    assert runs == 1
+    general_tokens, runs = executed_conditionals(monkeypatch, logits, with_logprobs)
+    assert runs > 2  # the general path's conds (the counter counts nested ones)
+    cpu = jax.device_get(traced_afresh()(logits, arrays_for(qwen3, logits)).token_ids)
+    np.testing.assert_array_equal(few_tokens, cpu)
+    np.testing.assert_array_equal(general_tokens, cpu)
+    assert cpu[2] == logits[2].argmax()
