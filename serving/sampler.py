@@ -266,10 +266,13 @@ def sample(logits: jax.Array, sa: SamplingArrays) -> SamplerOutput:
             lambda: _no_logprobs(token.shape[0], num_top))
         return token, logprobs
 
-    def few_rows(take, sa):
-        scaled = take() / _divisor(sa)
-        return (_with_greedy_rows(scaled, sa, few_candidates_sample(scaled, sa)),
-                _no_logprobs(scaled.shape[0], num_top))
+    def few():  # all rows at once: no [S, V] temporaries to bound
+        drawn = few_candidates_sample(logits, _divisor(sa), sa)
+        greedy_rows = sa.temperature < SAMPLING_EPS
+        # A greedy row's logits are divided by 1: the argmax of its raw logits.
+        greedy = skippable(jnp.any(greedy_rows), lambda: block_argmax(logits),
+                           lambda: jnp.zeros(num_seqs, jnp.int32))
+        return jnp.where(greedy_rows, greedy, drawn), _no_logprobs(num_seqs, num_top)
 
     def chunked(fn):
         return lambda: jax.lax.platform_dependent(
@@ -277,13 +280,9 @@ def sample(logits: jax.Array, sa: SamplingArrays) -> SamplerOutput:
             default=lambda: _by_row_chunks(fn, num_seqs, logits, sa))
 
     paths = [lambda: (block_argmax(logits), _no_logprobs(num_seqs, num_top)), chunked(rows)]
-    path = _path(sa, vocab)
-    # The CPU has no FEW path: there a cond costs microseconds, and the general path's
-    # conds keep XLA from computing the scaled logits twice, once for each reader.
-    token, logprobs = cpu_else(
-        lambda: jax.lax.switch(jnp.minimum(path, GENERAL), paths),
-        lambda: jax.lax.switch(path, paths + ([chunked(few_rows)] if vocab > NUM_CANDIDATES
-                                              else [])))
+    if vocab > NUM_CANDIDATES:
+        paths.append(few)
+    token, logprobs = jax.lax.switch(_path(sa, vocab), paths)
     return SamplerOutput(token_ids=token, logprobs=logprobs)
 
 

@@ -86,11 +86,16 @@ def filtered_sample(scaled, sa, rows):
     return jax.lax.cond(jnp.all(few_decided | ~rows), lambda: token, rest)
 
 
-def few_candidates_sample(scaled, sa):
-    """The draw from each row's NUM_FEW_CANDIDATES candidates: `filtered_sample`'s token
-    for rows whose top-k is within them (the only rows it is meant for), with no branch."""
-    few, few_ids, _, _ = _candidates(scaled, sa, NUM_FEW_CANDIDATES)
-    return _choose(few, few_ids, sa)
+def few_candidates_sample(logits, divisor, sa):
+    """For steps whose sampling rows all have a top-k within the NUM_FEW_CANDIDATES: the
+    token `filtered_sample` draws for those rows from `logits / divisor`, without
+    dividing the vocabulary (`block_top_k`'s divisor) or a pass over it for a normaliser
+    (top-p and min-p read the top k). Other rows' tokens here mean nothing."""
+    top_logits, top_ids = block_top_k(logits, NUM_FEW_CANDIDATES, divisor)
+    inside = jnp.arange(NUM_FEW_CANDIDATES)[None, :] < sa.top_k[:, None]
+    normalizer = jax.nn.logsumexp(jnp.where(inside, top_logits, -jnp.inf), axis=-1)
+    kept, _, _ = _keep(top_logits, normalizer, sa)
+    return _choose(kept, top_ids, sa)
 
 
 def _candidates(scaled, sa, width: int = NUM_CANDIDATES):

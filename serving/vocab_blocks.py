@@ -35,28 +35,40 @@ def block_argmax(x):
     return (block * ARGMAX_BLOCK + jnp.argmax(within, axis=-1)).astype(jnp.int32)
 
 
-def block_top_k(x, k: int):
+def block_top_k(x, k: int, divisor=None):
     """`jax.lax.top_k(x, k)`: the same values and ids in the same order (ties: lower id
     first). The k largest entries lie in the k blocks with the highest maxima (ties:
     lower block first), so each level keeps only those blocks, in id order, and the
     last top_k searches what is left (k * 16 entries instead of the vocabulary). Plain
-    top_k where the blocks would not save much (k * 128 over a quarter of the entries)."""
+    top_k where the blocks would not save much (k * 128 over a quarter of the entries).
+
+    divisor: f32[R, 1] > 0 or None: the top k of `x / divisor` without dividing all of x.
+    Dividing by a positive number never reorders (x <= y gives x / d <= y / d, rounded
+    too), so a block's maximum divided is the maximum of its entries divided: the first
+    level reads x and divides its maxima and the entries it keeps, and every value and
+    tie is the one over x / divisor."""
     values, ids = x, None  # ids: each entry's id (None: its position)
     if k * TOP_K_BLOCKS[0] <= x.shape[-1] // 4:
         for width in TOP_K_BLOCKS:
-            values, kept = _best_blocks(values, k, width)
+            values, kept = _best_blocks(values, k, width, divisor)
+            divisor = None  # the kept entries are divided
             ids = kept if ids is None else jnp.take_along_axis(ids, kept, axis=-1)
+    elif divisor is not None:
+        values = values / divisor
     top, index = jax.lax.top_k(values, k)
     return top, index if ids is None else jnp.take_along_axis(ids, index, axis=-1)
 
 
-def _best_blocks(values, k: int, width: int):
+def _best_blocks(values, k: int, width: int, divisor=None):
     """The entries f32[R, k * width] of the k blocks of `width` with the highest maxima,
     in the order they had, and their positions i32[R, k * width] in `values` (past its
-    end: -inf padding, after every real entry in ties)."""
+    end: -inf padding, after every real entry in ties); with a divisor, the maxima and
+    the kept entries divided by it."""
     blocks = to_blocks(values, width)  # [R, NB, W]
-    _, best = jax.lax.top_k(blocks.max(axis=-1), k)
+    maxima = blocks.max(axis=-1)
+    _, best = jax.lax.top_k(maxima if divisor is None else maxima / divisor, k)
     best = jnp.sort(best, axis=-1)[:, :, None]  # [R, k, 1] ascending: kept in id order
     kept = jnp.take_along_axis(blocks, best, axis=1).reshape(values.shape[0], k * width)
     positions = best * width + jnp.arange(width, dtype=best.dtype)
-    return kept, positions.reshape(values.shape[0], k * width)
+    return (kept if divisor is None else kept / divisor,
+            positions.reshape(values.shape[0], k * width))

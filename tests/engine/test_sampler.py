@@ -317,6 +317,28 @@ def test_block_top_k_equals_top_k_with_ties_and_a_ragged_vocabulary(k, vocab):
     np.testing.assert_array_equal(fast[1], full[1])
 
 
+def test_block_top_k_of_divided_logits_equals_top_k_of_the_division():
+    """block_top_k(x, k, divisor) without dividing x gives lax.top_k(x / divisor, k):
+    values, ids and order, also where the division rounds neighbouring values into ties
+    that x does not have."""
+    from serving.vocab_blocks import block_top_k
+    rng = np.random.default_rng(4)
+    vocab = 100 * 128 + 37
+    x = rng.integers(0, 7, size=(6, vocab)).astype(np.float32)
+    top = rng.random(x.shape) < 0.004  # ~50 entries a row just under 8, a float or more apart
+    x[top] = np.float32(7.99)
+    for ulps in range(1, 4):
+        x = np.where(top & (rng.integers(0, 4, size=x.shape) >= ulps),
+                     np.nextafter(x, np.float32(np.inf)), x)
+    # Quotients in a wider binade (their floats further apart) round neighbours together.
+    divisor = np.array([[0.997], [0.7], [1.0], [0.996], [3.0], [0.998]], np.float32)
+    full = jax.device_get(jax.jit(lambda x, d: jax.lax.top_k(x / d, 64))(x, divisor))
+    assert (full[1] != jax.device_get(jax.lax.top_k(x, 64))[1]).any()  # ties of the division
+    fast = jax.device_get(jax.jit(block_top_k, static_argnums=1)(x, 64, divisor))
+    np.testing.assert_array_equal(fast[0], full[0])
+    np.testing.assert_array_equal(fast[1], full[1])
+
+
 def test_block_argmax_equals_argmax():
     """The first maximum, through block maxima: ties, -inf rows and blocks."""
     from serving.vocab_blocks import ARGMAX_BLOCK, block_argmax
@@ -456,7 +478,7 @@ def test_greedy_and_qwen3_recommended_steps_run_one_conditional(monkeypatch):
     """On a GPU each conditional a step runs is a round trip to the host. A greedy step
     runs one (the sampler's path), and so does a step of Qwen3's recommended sampling
     (temperature 0.6 / 0.7, top-p 0.95 / 0.8, top-k 20) beside greedy rows, drawing the
-    tokens the CPU's general path draws (which a step with logprobs takes on a GPU too)."""
+    tokens the general path draws (a step with logprobs takes it), on the CPU too."""
     from serving.sampling_filters import NUM_CANDIDATES
     vocab = 2 * NUM_CANDIDATES + 7
     logits = (np.random.default_rng(31).normal(size=(4, vocab)) * 3).astype(np.float32)
@@ -473,7 +495,7 @@ def test_greedy_and_qwen3_recommended_steps_run_one_conditional(monkeypatch):
     assert runs == 1
     general_tokens, runs = executed_conditionals(monkeypatch, logits, with_logprobs)
     assert runs > 2  # the general path's conds (the counter counts nested ones)
+    np.testing.assert_array_equal(few_tokens, general_tokens)
     cpu = jax.device_get(traced_afresh()(logits, arrays_for(qwen3, logits)).token_ids)
-    np.testing.assert_array_equal(few_tokens, cpu)
-    np.testing.assert_array_equal(general_tokens, cpu)
+    np.testing.assert_array_equal(cpu, few_tokens)
     assert cpu[2] == logits[2].argmax()
