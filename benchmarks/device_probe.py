@@ -21,8 +21,9 @@ so, and the next stage runs):
              bucket compile seconds, temp memory and op counts of the compiled step
   offline    decode through LLMEngine.step, 1024 in / 128 out, at 1, 8 and 64 sequences,
              each through the overlapped loop, the same with device calls from the
-             engine's thread, and the serial loop (--loops): output tok/s, execute ms,
-             host ms and how long a dispatch holds the engine's thread per step
+             engine's thread, and the serial loop (--loops), then the overlapped loop
+             with Qwen3's recommended sampling (--sampled-loops): output tok/s, execute
+             ms, host ms and how long a dispatch holds the engine's thread per step
 
 --quantization fp8 (or int8, awq): the engine and offline stages with quantised weights,
 to set beside a run without it (`--stages engine,offline --quantization fp8`); the matmul
@@ -206,6 +207,9 @@ def stage_offline(emit, args, engine):
     in_len, out_len = (40, 8) if args.small else (1024, 128)
     decode_tokens = 8 if args.small else 64  # decode steps run in buckets of <= this
     params = SamplingParams(temperature=0.0, max_tokens=out_len, ignore_eos=True)
+    # Qwen3's recommended sampling (the sampler's few-candidates path, one conditional)
+    sampled = SamplingParams(temperature=0.6, top_p=0.95, top_k=20, seed=0,
+                             max_tokens=out_len, ignore_eos=True)
     rng = np.random.default_rng(1)
     vocab = engine.model_config.vocab_size
     levels = sorted({min(c, 8) for c in args.concurrency}) if args.small else args.concurrency
@@ -216,17 +220,25 @@ def stage_offline(emit, args, engine):
                      decode_tokens)
     for concurrency in levels:
         prompts = [rng.integers(2, vocab - 1, in_len).tolist() for _ in range(concurrency)]
-        walls = {}
-        for loop in args.loops:  # the same prompts through each loop, one after the other
+        walls, greedy_ms = {}, {}
+        # The same prompts through each loop, one after the other; then with sampling.
+        runs = [(loop, "greedy") for loop in args.loops]
+        runs += [(loop, "qwen3") for loop in args.sampled_loops]
+        for loop, sampling in runs:
             engine.scheduler_config = dataclasses.replace(
                 config, async_scheduling=loop != "serial")
             engine.runner.dispatch_thread = loop != "overlapped-engine-thread" and thread
-            row = _offline_run(engine, prompts, params, f"c{concurrency}-{loop}",
-                               decode_tokens)
-            walls[loop] = row["wall_s"]
-            if loop == "serial" and walls.get("overlapped"):
-                row["serial_over_overlapped"] = round(walls["serial"] / walls["overlapped"], 3)
-            emit("offline", concurrency=concurrency, loop=loop,
+            row = _offline_run(engine, prompts, params if sampling == "greedy" else sampled,
+                               f"c{concurrency}-{loop}-{sampling}", decode_tokens)
+            if sampling == "greedy":
+                walls[loop], greedy_ms[loop] = row["wall_s"], row["decode_execute_ms_p50"]
+                if loop == "serial" and walls.get("overlapped"):
+                    row["serial_over_overlapped"] = round(
+                        walls["serial"] / walls["overlapped"], 3)
+            elif greedy_ms.get(loop) and row["decode_execute_ms_p50"]:
+                row["decode_execute_over_greedy"] = round(
+                    row["decode_execute_ms_p50"] / greedy_ms[loop], 3)
+            emit("offline", concurrency=concurrency, loop=loop, sampling=sampling,
                  dispatch_thread=engine.runner.dispatch_thread,
                  quantization=args.quantization or "none",
                  output_tok_s=round(concurrency * out_len / row["wall_s"], 1), **row)
@@ -391,6 +403,10 @@ def parse_args(argv):
                              "same with its device calls from the engine's own thread (no "
                              "DispatchThread: a step's lax.cond holds that thread on a GPU), "
                              "and serial")
+    parser.add_argument("--sampled-loops", default="overlapped",
+                        help="offline stage: the loops to run each concurrency through "
+                             "again with Qwen3's recommended sampling (temperature 0.6, "
+                             "top-p 0.95, top-k 20), after the greedy ones; '' for none")
     parser.add_argument("--quantization", default=None, choices=("fp8", "int8", "awq"),
                         help="engine and offline stages with quantised weights (dummy, as "
                              "that format's checkpoint holds them); run once without it "
@@ -410,11 +426,13 @@ def parse_args(argv):
             parser.error(f"--timeout {item!r}: stage must be one of {','.join(STAGES)}")
         args.timeouts[stage] = float(seconds)
     args.concurrency = [int(c) for c in args.concurrency.split(",")]
-    args.loops = args.loops.split(",")
-    for loop in args.loops:
-        if loop not in ("overlapped", "overlapped-engine-thread", "serial"):
-            parser.error(f"--loops has {loop!r}, expected some of overlapped, "
-                         "overlapped-engine-thread, serial")
+    for flag in ("loops", "sampled_loops"):
+        loops = [loop for loop in getattr(args, flag).split(",") if loop]
+        for loop in loops:
+            if loop not in ("overlapped", "overlapped-engine-thread", "serial"):
+                parser.error(f"--{flag.replace('_', '-')} has {loop!r}, expected some of "
+                             "overlapped, overlapped-engine-thread, serial")
+        setattr(args, flag, loops)
     return args
 
 

@@ -49,12 +49,18 @@ def test_dry_run_reports_every_stage_in_order(tmp_path):
     offline = by("offline")
     # Each concurrency through the overlapped loop, then the serial one (issue 14's
     # serial-against-overlapped figures): the same steps, overlapped only in the first.
-    loops = ["overlapped", "overlapped-engine-thread", "serial"]
-    assert [(r["concurrency"], r["loop"]) for r in offline] == [
-        (c, loop) for c in (1, 8) for loop in loops]
+    # Then the overlapped loop again with Qwen3's recommended sampling.
+    runs = [(loop, "greedy") for loop in ("overlapped", "overlapped-engine-thread", "serial")]
+    runs.append(("overlapped", "qwen3"))
+    assert [(r["concurrency"], r["loop"], r["sampling"]) for r in offline] == [
+        (c, loop, sampling) for c in (1, 8) for loop, sampling in runs]
     assert all(r["output_tok_s"] > 0 and r["decode_steps"] > 0 for r in offline)
     assert all(r["dispatch_ms_p50"] > 0 for r in offline)
-    for overlapped, engine_thread, serial in zip(*(offline[i::3] for i in range(3))):
+    sampled = [r for r in offline if r["sampling"] == "qwen3"]
+    assert all(r["overlapped_steps"] > 0 and r["decode_execute_over_greedy"] > 0
+               for r in sampled)
+    greedy = [r for r in offline if r["sampling"] == "greedy"]
+    for overlapped, engine_thread, serial in zip(*(greedy[i::3] for i in range(3))):
         assert overlapped["overlapped_steps"] > 0 and engine_thread["overlapped_steps"] > 0
         assert serial["overlapped_steps"] == 0 and serial["serial_over_overlapped"] > 0
         # a CPU's calls return at once: no dispatch thread by default
@@ -74,7 +80,7 @@ def test_a_stage_past_its_timeout_leaves_one_line_and_the_next_stage_runs(tmp_pa
 
 def test_dry_run_with_quantised_weights_and_formats_of_the_grouped_matmul(tmp_path):
     rows = run_probe(tmp_path, "--stages", "matmul,engine,offline", "--quantization", "fp8",
-                     "--concurrency", "1", "--loops", "overlapped")
+                     "--concurrency", "1", "--loops", "overlapped", "--sampled-loops", "")
     assert not [r for r in rows if "error" in r]
     grouped = [r for r in rows if r.get("part") == "grouped_matmul" and r["impl"] == "pallas"]
     decode = {r["format"] for r in grouped if "decode" in r["name"]}
