@@ -48,7 +48,7 @@ def add_engine_args(parser: argparse.ArgumentParser) -> None:
     g.add_argument("--no-precompile", action="store_false", dest="precompile")
     g.add_argument("--async-scheduling", action=argparse.BooleanOptionalAction, default=True,
                    help="overlap scheduling, input building and output processing with the "
-                        "device step (steps with grammar masks or penalties run serially)")
+                        "device step (steps with grammar masks run serially)")
     g.add_argument("--stream-interval", type=int, default=1,
                    help="a streamed request gets an output every this many tokens (its "
                         "first token and its finish at once); larger values cost the host "

@@ -30,7 +30,13 @@ from serving.runner import (
     default_compilation_cache_dir,
     enable_compilation_cache,
 )
-from serving.sampler import NUM_BLOCKED, SamplingEntry, build_sampling_arrays, sampling_row
+from serving.sampler import (
+    NUM_BLOCKED,
+    PENDING_TOKEN,
+    SamplingEntry,
+    build_sampling_arrays,
+    sampling_row,
+)
 from serving.scheduler import SchedulerOutput
 from serving.step_cost import CostModel, StepShape
 from serving.structured import GrammarCompiler, Guide, MaskBuilder
@@ -75,9 +81,9 @@ class LLMEngine:
         self.runner, self.bucket_pairs = setup.runner, setup.bucket_pairs
         self._rng = np.random.default_rng(config.seed)
         self._seqs: dict[str, SeqState] = {}
-        # live sequences with a grammar, and those whose tokens the host needs before the
-        # next step (grammars, penalties): counted, so a step need not scan them all
-        self._num_guided = self._num_host_token_seqs = 0
+        # live sequences with a grammar (its next mask needs its last token on the host,
+        # so steps run serially while there is one): counted, not scanned for
+        self._num_guided = 0
         self._parents: dict[str, ParentState] = {}
         self.compile_seconds = 0.0
         self.last_step: dict = {}
@@ -146,7 +152,6 @@ class LLMEngine:
         for child in children:
             self._seqs[child.request.request_id] = child
             self._num_guided += child.guide is not None
-            self._num_host_token_seqs += child.needs_host_tokens
         self._parents[request_id] = ParentState(
             request_id, text, ids, children, kind != RequestOutputKind.FINAL_ONLY, prompt_lps,
             delta=kind == RequestOutputKind.DELTA)
@@ -200,7 +205,6 @@ class LLMEngine:
     def _forget(self, seq: SeqState) -> None:
         if self._seqs.pop(seq.request.request_id, None) is not None:
             self._num_guided -= seq.guide is not None
-            self._num_host_token_seqs -= seq.needs_host_tokens
 
     def request_ids(self) -> list[str]:
         return list(self._parents)
@@ -222,7 +226,7 @@ class LLMEngine:
         token from step N's output on the device, and step N's outputs are processed
         while N+1 computes. A request that finished at step N may be in N+1: that token
         is dropped. Steps run serially while some live request needs its tokens on the
-        host before the next step (grammar masks, penalties) and with several processes."""
+        host before the next step (grammar masks) and with several processes."""
         self.last_step = {}  # set when this call reads a step's tokens
         overlap = self._can_overlap()
         if self._in_flight is not None and not overlap:
@@ -247,7 +251,7 @@ class LLMEngine:
     def _can_overlap(self) -> bool:
         if not self.scheduler_config.async_scheduling or distributed.is_multiprocess():
             return False
-        return self._num_host_token_seqs == 0
+        return self._num_guided == 0
 
     def _launch(self, out: SchedulerOutput) -> _Flight:
         """Build the step's inputs and dispatch it; returns at once."""
@@ -403,8 +407,9 @@ class LLMEngine:
             if seq.blocked_ids:  # eos/stop ids, blocked until min_tokens
                 entry.blocked_ids = (seq.blocked_ids if num_output
                                      < request.sampling_params.min_tokens else ())
-            if seq.uses_penalties:
-                entry.penalty_tokens = request.all_token_ids
+            if seq.uses_penalties:  # the token in flight, if any, is filled on the device
+                entry.penalty_tokens = (request.all_token_ids
+                                        + [PENDING_TOKEN] * request.num_pending_tokens)
             entries.append(entry)
         return entries
 

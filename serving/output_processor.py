@@ -65,12 +65,6 @@ class SeqState:
         detokenizer = self.detokenizer
         return "" if detokenizer is None else detokenizer.text
 
-    @property
-    def needs_host_tokens(self) -> bool:
-        """Its next step's inputs need its last token on the host (the grammar mask, the
-        penalty counts): steps with it cannot overlap the next one."""
-        return self.guide is not None or self.uses_penalties
-
 
 @dataclasses.dataclass
 class ParentState:

@@ -214,6 +214,9 @@ class ModelRunner:
                                        token_mask=token_mask)
         from_prev = prev_tokens[jax.numpy.maximum(inputs.prev_index, 0)]
         token_ids = jax.numpy.where(inputs.prev_index >= 0, from_prev, inputs.token_ids)
+        # A row with a token in flight decodes it: its last input is that token.
+        sampling = dataclasses.replace(sampling,
+                                       pending_tokens=token_ids[inputs.logits_index])
         model = nnx.merge(self.graphdef, state)
         hidden, kv_caches = model.forward(token_ids, inputs.positions, kv_caches,
                                           inputs.attention)

@@ -32,6 +32,9 @@ jax.tree_util.register_dataclass(TokenMask, data_fields=["active", "bits"], meta
 
 NUM_TOP_LOGPROBS = 20  # vLLM's maximum; always computed, sliced on the host
 NUM_BLOCKED = 32  # stop/eos ids suppressed until min_tokens; padded with -1
+# In penalty_tokens: the token of the step in flight (overlapped loop), unknown on the
+# host when the next step's arrays are built; the device puts each row's in (its input).
+PENDING_TOKEN = -2
 
 
 @jax.tree_util.register_dataclass
@@ -50,11 +53,15 @@ class SamplingArrays:
     output_index: np.ndarray  # i32[S]: which output token this draw is
     blocked_ids: np.ndarray  # i32[S, NUM_BLOCKED]: ids masked this step (min_tokens)
     penalty_tokens: np.ndarray  # i32[S, W]: prompt + output ids, -1 padded (W = max_model_len)
+    #   and PENDING_TOKEN for the token in flight
     num_prompt_tokens: np.ndarray  # i32[S]: how many of penalty_tokens are prompt
     want_logprobs: np.ndarray  # bool[]: some row asked for logprobs (else none are computed)
     # Allowed tokens of rows under a grammar (serving/structured.py). None only in transit:
     # the runner swaps in a device-resident inactive mask for steps without a grammar.
     token_mask: TokenMask | None
+    # i32[S]: each row's input token this step (on the device only, set by the runner):
+    # what PENDING_TOKEN stands for in its penalty_tokens. None: no token in flight.
+    pending_tokens: np.ndarray | jax.Array | None = None
 
 
 @dataclasses.dataclass(slots=True)
@@ -171,7 +178,9 @@ def uses_penalty_rows(sa: SamplingArrays) -> bool:
 def _apply_penalties(logits, sa: SamplingArrays):
     """vLLM semantics: repetition over prompt+output, presence/frequency over output."""
     num_seqs, vocab = logits.shape
-    tokens = sa.penalty_tokens  # [S, W]
+    tokens = jnp.asarray(sa.penalty_tokens)  # [S, W]
+    if sa.pending_tokens is not None:
+        tokens = jnp.where(tokens == PENDING_TOKEN, sa.pending_tokens[:, None], tokens)
     is_output = jnp.arange(tokens.shape[1])[None, :] >= sa.num_prompt_tokens[:, None]
     rows = jnp.broadcast_to(jnp.arange(num_seqs)[:, None], tokens.shape)
     safe = jnp.where(tokens >= 0, tokens, vocab)  # -1 padding -> dropped index

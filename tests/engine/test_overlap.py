@@ -124,10 +124,17 @@ def test_stop_strings_that_end_mid_step(tok_pair):
     assert out[0][0][2] == "stop" and out[0][0][3] == stop
 
 
-def test_penalties_run_serially_with_the_same_output(pair):
-    params = SamplingParams(temperature=0.0, max_tokens=10, ignore_eos=True,
+def test_penalties_overlap_with_the_same_output(pair):
+    """A penalty row's counts include the token in flight, which the device puts in
+    (PENDING_TOKEN): greedy and seeded tokens are the serial loop's."""
+    prompts = ids(make_prompts([5, 16, 9], seed=6))
+    greedy = SamplingParams(temperature=0.0, max_tokens=10, ignore_eos=True,
                             repetition_penalty=1.3, presence_penalty=0.5)
-    assert_same(pair, ids(make_prompts([5, 16], seed=6)), params, overlapped=False)
+    seeded = SamplingParams(temperature=0.9, top_k=40, seed=5, max_tokens=10, n=2,
+                            ignore_eos=True, frequency_penalty=1.5, presence_penalty=-0.5)
+    plain = SamplingParams(temperature=0.0, max_tokens=10, ignore_eos=True)
+    for params in (greedy, seeded, [greedy, plain, seeded]):
+        assert_same(pair, prompts, params)
 
 
 def test_abort_mid_stream(tiny_ckpt, compile_cache):
