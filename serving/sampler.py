@@ -218,6 +218,11 @@ def apply_token_mask(logits, bits):
     return jnp.where(allowed == 1, logits, -jnp.inf)
 
 
+def _logprobs(take, tokens) -> TokenLogprobs:
+    """The raw distribution's logprobs of some rows (take(): their logits)."""
+    return token_logprobs(jax.nn.log_softmax(take(), axis=-1), tokens)
+
+
 def token_logprobs(logprobs: jax.Array, tokens: jax.Array) -> TokenLogprobs:
     """logprobs: f32[R, V] (log-softmax); tokens: int[R] -> each row's chosen token's
     logprob and rank, and the row's NUM_TOP_LOGPROBS most likely tokens."""
@@ -230,35 +235,38 @@ def token_logprobs(logprobs: jax.Array, tokens: jax.Array) -> TokenLogprobs:
 
 
 # The step's sampler path, chosen on the device from the step's rows (`_path`).
-GREEDY, GENERAL, FEW = 0, 1, 2
+GREEDY, GENERAL, GREEDY_LOGPROBS, FEW, FEW_LOGPROBS = range(5)
 
 
 def _path(sa: SamplingArrays, vocab: int):
-    """GREEDY: the argmax alone (no row samples, edits its logits or asks for logprobs).
-    FEW: every sampling row has a top-k within the few candidates and no row has edits or
-    logprobs (Qwen3's recommended settings: top-k 20): the few candidates decide every row,
-    with no branch of their own. GENERAL: the rest, each part under its own cond."""
+    """GREEDY: the argmax alone (no row samples or edits its logits). FEW: every sampling
+    row has a top-k within the few candidates and no row has edits (Qwen3's recommended
+    settings: top-k 20): the few candidates decide every row, with no branch of their
+    own. Each of them _LOGPROBS when some row asks for logprobs. GENERAL: the rest, each
+    part under its own cond."""
     random_rows = sa.temperature >= SAMPLING_EPS
-    few = (vocab > NUM_CANDIDATES) & jnp.all(
+    few = (vocab > NUM_CANDIDATES) & ~_edits(sa) & jnp.all(
         ~random_rows | ((sa.top_k > 0) & (sa.top_k <= NUM_FEW_CANDIDATES)))
-    return jnp.where(~_special(sa) & ~sa.want_logprobs, GREEDY,
-                     jnp.where(few & ~_edits(sa) & ~sa.want_logprobs, FEW, GENERAL))
+    base = jnp.where(~_special(sa), GREEDY, jnp.where(few, FEW, GENERAL))
+    with_logprobs = jnp.where(base == GREEDY, GREEDY_LOGPROBS,
+                              jnp.where(base == FEW, FEW_LOGPROBS, GENERAL))
+    return jnp.where(sa.want_logprobs, with_logprobs, base)
 
 
 def sample(logits: jax.Array, sa: SamplingArrays) -> SamplerOutput:
     """logits: f32[S, V] -> sampled ids and logprobs of the raw distribution.
 
-    One `lax.switch` picks the step's path (`_path`): a plain greedy step is the argmax
-    alone; off the CPU, a step whose sampling rows all have a small top-k is the few
-    candidates' draw; in the general path each part runs under its own `lax.cond`, only
-    in steps where some row needs it: the grammar mask (structured outputs), the
-    min_tokens block, penalties, random sampling, logprobs (off the CPU, branches of a
-    pass or two run always instead: `skippable`). So off the CPU a greedy step and a step
-    of Qwen3's recommended sampling run one conditional (on a GPU each is a round trip to
-    the host). On CPU the branches take CPU_ROW_CHUNK rows at a time: their [S, V]
-    temporaries would otherwise grow the step's scratch buffer (one allocation, sized for
-    every branch) past what the allocator reuses, and every step, greedy ones too, would
-    page-fault ~S * V * 4 bytes afresh."""
+    One `lax.switch` picks the step's path (`_path`): a greedy step is the argmax, a step
+    whose sampling rows all have a small top-k the few candidates' draw, each with the
+    logprobs when some row asks; in the general path each part runs under its own
+    `lax.cond`, only in steps where some row needs it: the grammar mask (structured
+    outputs), the min_tokens block, penalties, random sampling, logprobs (off the CPU,
+    branches of a pass or two run always instead: `skippable`). So a greedy step and a
+    step of Qwen3's recommended sampling, with logprobs or without, run one conditional
+    (on a GPU each is a round trip to the host). On CPU the [S, V] passes take
+    CPU_ROW_CHUNK rows at a time: their temporaries would otherwise grow the step's
+    scratch buffer (one allocation, sized for every branch) past what the allocator
+    reuses, and every step, greedy ones too, would page-fault ~S * V * 4 bytes afresh."""
     num_seqs, vocab = logits.shape
     num_top = min(NUM_TOP_LOGPROBS, vocab)
 
@@ -270,27 +278,38 @@ def sample(logits: jax.Array, sa: SamplingArrays) -> SamplerOutput:
                                                lambda: block_argmax(take())),
                           lambda: _processed(take, sa))
         # Log-softmax and the top-20 of the raw distribution, only when some row asked.
-        logprobs = jax.lax.cond(
-            sa.want_logprobs, lambda: token_logprobs(jax.nn.log_softmax(take(), axis=-1), token),
-            lambda: _no_logprobs(token.shape[0], num_top))
+        logprobs = jax.lax.cond(sa.want_logprobs, lambda: _logprobs(take, token),
+                                lambda: _no_logprobs(token.shape[0], num_top))
         return token, logprobs
 
-    def few():  # all rows at once: no [S, V] temporaries to bound
+    def chunked(fn, per_row):
+        """fn(take, per_row's rows) over CPU_ROW_CHUNK rows at a time on CPU."""
+        return jax.lax.platform_dependent(
+            cpu=lambda: _by_row_chunks(fn, CPU_ROW_CHUNK, logits, per_row),
+            default=lambda: _by_row_chunks(fn, num_seqs, logits, per_row))
+
+    def few_tokens():  # all rows at once: no [S, V] temporaries to bound
         drawn = few_candidates_sample(logits, _divisor(sa), sa)
         greedy_rows = sa.temperature < SAMPLING_EPS
         # A greedy row's logits are divided by 1: the argmax of its raw logits.
         greedy = skippable(jnp.any(greedy_rows), lambda: block_argmax(logits),
                            lambda: jnp.zeros(num_seqs, jnp.int32))
-        return jnp.where(greedy_rows, greedy, drawn), _no_logprobs(num_seqs, num_top)
+        return jnp.where(greedy_rows, greedy, drawn)
 
-    def chunked(fn):
-        return lambda: jax.lax.platform_dependent(
-            cpu=lambda: _by_row_chunks(fn, CPU_ROW_CHUNK, logits, sa),
-            default=lambda: _by_row_chunks(fn, num_seqs, logits, sa))
+    def without_logprobs(tokens):
+        return lambda: (tokens(), _no_logprobs(num_seqs, num_top))
 
-    paths = [lambda: (block_argmax(logits), _no_logprobs(num_seqs, num_top)), chunked(rows)]
+    def with_logprobs(tokens):
+        def path():
+            token = tokens()
+            return token, chunked(_logprobs, token)
+        return path
+
+    greedy_tokens = lambda: block_argmax(logits)
+    paths = [without_logprobs(greedy_tokens), lambda: chunked(rows, sa),
+             with_logprobs(greedy_tokens)]
     if vocab > NUM_CANDIDATES:
-        paths.append(few)
+        paths += [without_logprobs(few_tokens), with_logprobs(few_tokens)]
     token, logprobs = jax.lax.switch(_path(sa, vocab), paths)
     return SamplerOutput(token_ids=token, logprobs=logprobs)
 

@@ -443,7 +443,7 @@ def test_the_branch_free_form_samples_what_the_cpu_form_samples(monkeypatch, voc
 
 
 def executed_conditionals(monkeypatch, logits, params):
-    """(tokens, how many lax.cond / lax.switch one sampler call runs) in the form a GPU
+    """(output, how many lax.cond / lax.switch one sampler call runs) in the form a GPU
     gets (the branch-free form, one pass over the rows): every branch reports through a
     debug callback when it runs."""
     import serving.device_branches as branches
@@ -464,9 +464,9 @@ def executed_conditionals(monkeypatch, logits, params):
             pred, reporting(yes), reporting(no), *operands, **kw))
         patched.setattr(jax.lax, "switch", lambda index, fns, *operands, **kw: switch(
             index, [reporting(fn) for fn in fns], *operands, **kw))
-        tokens = jax.device_get(traced_afresh()(logits, arrays_for(params, logits)).token_ids)
+        out = jax.device_get(traced_afresh()(logits, arrays_for(params, logits)))
     jax.effects_barrier()
-    return tokens, len(ran)
+    return out, len(ran)
 
 
 def arrays_for(params, logits):
@@ -477,8 +477,10 @@ def arrays_for(params, logits):
 def test_greedy_and_qwen3_recommended_steps_run_one_conditional(monkeypatch):
     """On a GPU each conditional a step runs is a round trip to the host. A greedy step
     runs one (the sampler's path), and so does a step of Qwen3's recommended sampling
-    (temperature 0.6 / 0.7, top-p 0.95 / 0.8, top-k 20) beside greedy rows, drawing the
-    tokens the general path draws (a step with logprobs takes it), on the CPU too."""
+    (temperature 0.6 / 0.7, top-p 0.95 / 0.8, top-k 20) beside greedy rows, with logprobs
+    or without; they draw the tokens the general path draws, on the CPU too, and the
+    logprobs are the raw distribution's."""
+    from serving.sampler import token_logprobs
     from serving.sampling_filters import NUM_CANDIDATES
     vocab = 2 * NUM_CANDIDATES + 7
     logits = (np.random.default_rng(31).normal(size=(4, vocab)) * 3).astype(np.float32)
@@ -486,16 +488,27 @@ def test_greedy_and_qwen3_recommended_steps_run_one_conditional(monkeypatch):
     qwen3 = [SamplingParams(temperature=0.6, top_p=0.95, top_k=20),
              SamplingParams(temperature=0.7, top_p=0.8, top_k=20),
              SamplingParams(temperature=0.0), SamplingParams(temperature=1.0, top_k=64)]
-    with_logprobs = [SamplingParams(temperature=p.temperature, top_p=p.top_p, top_k=p.top_k,
-                                    logprobs=2) for p in qwen3]
-    tokens, runs = executed_conditionals(monkeypatch, logits, greedy)
-    assert runs == 1
-    np.testing.assert_array_equal(tokens, logits.argmax(axis=-1))
-    few_tokens, runs = executed_conditionals(monkeypatch, logits, qwen3)
-    assert runs == 1
-    general_tokens, runs = executed_conditionals(monkeypatch, logits, with_logprobs)
-    assert runs > 2  # the general path's conds (the counter counts nested ones)
-    np.testing.assert_array_equal(few_tokens, general_tokens)
+
+    def asking(params):
+        return [SamplingParams(temperature=p.temperature, top_p=p.top_p, top_k=p.top_k,
+                               logprobs=2) for p in params]
+
+    raw = jax.nn.log_softmax(logits, axis=-1)
+    for params in (greedy, qwen3):
+        out, runs = executed_conditionals(monkeypatch, logits, params)
+        assert runs == 1
+        with_logprobs, runs = executed_conditionals(monkeypatch, logits, asking(params))
+        assert runs == 1
+        np.testing.assert_array_equal(with_logprobs.token_ids, out.token_ids)
+        expected = jax.device_get(token_logprobs(raw, jnp.asarray(out.token_ids)))
+        for a, b in zip(jax.tree.leaves(with_logprobs.logprobs), jax.tree.leaves(expected)):
+            np.testing.assert_allclose(a, b, rtol=1e-6, atol=1e-6)
+    np.testing.assert_array_equal(out.token_ids[2], logits[2].argmax())
+    # The general path (a row without a top-k), its conds counted too: the same tokens.
+    general = qwen3 + [SamplingParams(temperature=0.8, top_p=0.9)]
+    logits5 = np.concatenate([logits, logits[:1]])
+    general_out, runs = executed_conditionals(monkeypatch, logits5, general)
+    assert runs > 2
+    np.testing.assert_array_equal(general_out.token_ids[:4], out.token_ids)
     cpu = jax.device_get(traced_afresh()(logits, arrays_for(qwen3, logits)).token_ids)
-    np.testing.assert_array_equal(cpu, few_tokens)
-    assert cpu[2] == logits[2].argmax()
+    np.testing.assert_array_equal(cpu, out.token_ids)
