@@ -124,6 +124,15 @@ def test_stop_strings_that_end_mid_step(tok_pair):
     assert out[0][0][2] == "stop" and out[0][0][3] == stop
 
 
+def test_qwen3_recommended_sampling_at_qwens_vocabulary(tok_pair):
+    """Seeded n=2 with Qwen3's recommended sampling (the sampler's few-candidates path at
+    151,936 tokens), with logprobs and without: the serial loop's tokens and texts."""
+    for logprobs in (None, 2):
+        params = SamplingParams(temperature=0.6, top_p=0.95, top_k=20, seed=3, n=2,
+                                max_tokens=8, ignore_eos=True, logprobs=logprobs)
+        assert_same(tok_pair, ["Once upon a time", "The capital of France"], params)
+
+
 def test_penalties_overlap_with_the_same_output(pair):
     """A penalty row's counts include the token in flight, which the device puts in
     (PENDING_TOKEN): greedy and seeded tokens are the serial loop's."""
