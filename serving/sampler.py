@@ -289,12 +289,8 @@ def sample(logits: jax.Array, sa: SamplingArrays) -> SamplerOutput:
             default=lambda: _by_row_chunks(fn, num_seqs, logits, per_row))
 
     def few_tokens():  # all rows at once: no [S, V] temporaries to bound
-        drawn = few_candidates_sample(logits, _divisor(sa), sa)
-        greedy_rows = sa.temperature < SAMPLING_EPS
-        # A greedy row's logits are divided by 1: the argmax of its raw logits.
-        greedy = skippable(jnp.any(greedy_rows), lambda: block_argmax(logits),
-                           lambda: jnp.zeros(num_seqs, jnp.int32))
-        return jnp.where(greedy_rows, greedy, drawn)
+        # (A greedy row's logits are divided by 1: the argmax of its raw logits.)
+        return _with_greedy_rows(logits, sa, few_candidates_sample(logits, _divisor(sa), sa))
 
     def without_logprobs(tokens):
         return lambda: (tokens(), _no_logprobs(num_seqs, num_top))
