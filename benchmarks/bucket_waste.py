@@ -1,6 +1,6 @@
 """Padding waste of token-bucket sets, from the real scheduler (no model, no jax).
 
-Drives `serving.scheduler.Scheduler` over offline workloads (a fixed number of requests in
+Drives `serving.core.scheduler.Scheduler` over offline workloads (a fixed number of requests in
 flight, refilled as they finish), records every step's (tokens, sequences), and reports
 for each bucket set the share of padded token rows: over all steps, over mixed steps
 (prefill chunks, more tokens than sequences), and the compile count (bucket pairs).
@@ -13,17 +13,17 @@ import json
 import random
 import sys
 
-from serving.buckets import (
+from serving.core.buckets import (
     MIN_SEQ_BUCKET,
     bucket_pairs,
     make_buckets,
     make_token_buckets,
     pick_bucket,
 )
-from serving.config import SchedulerConfig
-from serving.kv_cache_manager import KVCacheManager
-from serving.request import Request, RequestStatus, SamplingParams
-from serving.scheduler import Scheduler
+from serving.core.config import SchedulerConfig
+from serving.core.kv_cache_manager import KVCacheManager
+from serving.core.request import Request, RequestStatus, SamplingParams
+from serving.core.scheduler import Scheduler
 
 
 def simulate(prompt_lens, output_lens, *, in_flight, max_num_seqs, max_tokens, max_model_len):

@@ -74,7 +74,7 @@ if [ -n "${SERVER_CMD:-}" ]; then
   bash -c "exec $SERVER_CMD" > "$OUT/server.log" 2>&1 &
 else
   # shellcheck disable=SC2086  # ENGINE_ARGS is a list of flags
-  "$PY" -m serving.cli serve --model "$MODEL" --load-format dummy --dtype "$DTYPE" \
+  "$PY" -m serving.cli.main serve --model "$MODEL" --load-format dummy --dtype "$DTYPE" \
     --host 127.0.0.1 --port "$PORT" $ENGINE_ARGS > "$OUT/server.log" 2>&1 &
 fi
 server_pid=$!
@@ -105,7 +105,7 @@ fi
 for c in $CONCURRENCIES; do
   n=$(( c * PROMPTS_PER_SLOT )); [ "$n" -lt 8 ] && n=8; [ "$n" -gt "$MAX_PROMPTS" ] && n=$MAX_PROMPTS
   limit=$BENCH_TIMEOUT; [ "$c" -eq 1 ] && limit=$(( BENCH_TIMEOUT * 2 / 3 ))
-  timeout "$limit" "$PY" -m serving.cli bench serve --base-url "$URL" \
+  timeout "$limit" "$PY" -m serving.cli.main bench serve --base-url "$URL" \
     --endpoint /v1/completions --dataset random --token-ids --random-vocab-size "$VOCAB_IDS" \
     --random-input-len "$INPUT_LEN" --random-output-len "$OUTPUT_LEN" --ignore-eos \
     --num-prompts "$n" --max-concurrency "$c" --request-rate inf --seed "$c" \

@@ -73,7 +73,7 @@ def stage_env(emit, args, arm):
     del arm
     import jax
 
-    from serving.step_hlo import cuda_lowering_error
+    from serving.executor.step_lowering import cuda_lowering_error
     device = jax.devices()[0]
     emit("env", python=platform.python_version(), jax=jax.__version__,
          backend=jax.default_backend(), devices=[d.device_kind for d in jax.devices()],
@@ -167,9 +167,9 @@ def stage_engine(emit, args, arm):
     """Load, compile (a line per bucket as it is ready), then the offline runs."""
     import jax
 
-    from serving import step_hlo
-    from serving.engine import LLMEngine
-    from serving.llm import engine_config_from_kwargs
+    from serving.engine.llm_engine import LLMEngine
+    from serving.entrypoints.llm import engine_config_from_kwargs
+    from serving.executor import step_lowering as step_hlo
 
     kwargs = engine_kwargs(args)
     started = time.time()
@@ -203,7 +203,7 @@ def stage_offline(emit, args, engine):
 
     import numpy as np
 
-    from serving.request import SamplingParams
+    from serving.core.request import SamplingParams
     in_len, out_len = (40, 8) if args.small else (1024, 128)
     decode_tokens = 8 if args.small else 64  # decode steps run in buckets of <= this
     params = SamplingParams(temperature=0.0, max_tokens=out_len, ignore_eos=True)
@@ -301,11 +301,12 @@ def _steps_until_done(engine, steps, shapes) -> int:
 
 
 def utilisation(engine, steps, shapes, decode_tokens):
-    """Median model FLOP/s and bytes/s of the decode and prefill steps (serving/step_cost.py),
-    and MFU / MBU against the device's datasheet peak where the table knows it."""
+    """Median model FLOP/s and bytes/s of the decode and prefill steps
+    (serving/metrics/step_cost.py), and MFU / MBU against the device's datasheet peak where
+    the table knows it."""
     import numpy as np
 
-    from serving.step_cost import CostModel, device_peak
+    from serving.metrics.step_cost import CostModel, device_peak
     model = CostModel.for_engine(engine)
     peak = device_peak(engine.devices[0].device_kind)
     out = {"peak": peak.name if peak else None}

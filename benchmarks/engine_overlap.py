@@ -39,7 +39,7 @@ os.environ.setdefault("TOKENIZERS_PARALLELISM", "false")
 
 import numpy as np  # noqa: E402
 
-from serving.sampler import SamplerOutput  # noqa: E402
+from serving.sample.sampler import SamplerOutput  # noqa: E402
 
 SEQS = (1, 8, 64, 256)
 
@@ -74,8 +74,8 @@ def parse_args(argv=None):
     p.add_argument("--vocab-seqs", type=int, default=32)
     p.add_argument("--vocab-repeats", type=int, default=20)
     p.add_argument("--baseline-sampler", default=None,
-                   help="a sampler.py to time beside serving/sampler.py, e.g. from "
-                        "`git show REV:serving/sampler.py > /tmp/sampler_before.py`")
+                   help="a sampler.py to time beside serving/sample/sampler.py, e.g. from "
+                        "`git show REV:serving/sample/sampler.py > /tmp/sampler_before.py`")
     p.add_argument("--out", default=None)
     return p.parse_args(argv)
 
@@ -294,7 +294,7 @@ def async_engine_thread(model, num_seqs: int, steps: int, cache_dir,
     import asyncio
     import threading
 
-    from serving.async_llm import AsyncLLM, RequestStream
+    from serving.engine.async_llm import AsyncLLM, RequestStream
     engine = decoding_engine(model, num_seqs, steps, True, cache_dir, stream=True,
                              output_kind=whole or "DELTA",  # what the server asks for
                              stream_interval=stream_interval)
@@ -304,7 +304,7 @@ def async_engine_thread(model, num_seqs: int, steps: int, cache_dir,
     received = [0]
     if chunks or whole:
         from benchmarks.stream_chunks import _NoEngine, streamed_job
-        from serving.metrics import Metrics
+        from serving.metrics.prometheus import Metrics
         metrics = Metrics(_NoEngine(), "m")
 
     async def read(stream):
@@ -457,8 +457,8 @@ def vocab_work(args) -> dict:
     import jax
     import jax.numpy as jnp
 
-    from serving import sampler
-    from serving.request import SamplingParams
+    from serving.core.request import SamplingParams
+    from serving.sample import sampler
     s, h, v = args.vocab_seqs, args.vocab_hidden, args.vocab_size
     rng = np.random.default_rng(0)
     weight = jnp.asarray(rng.normal(size=(h, v)).astype(np.float32) / np.sqrt(h))
@@ -521,14 +521,15 @@ def _take_turns(calls: dict, repeats: int):
 
 
 def _load_sampler(path: str):
-    """Another version of serving/sampler.py as a module of its own. It registers
-    serving.structured.TokenMask as a pytree again, which is already done: skipped."""
+    """Another version of serving/sample/sampler.py as a module of its own. It registers
+    serving.structured_output.grammar.TokenMask as a pytree again, which is already done:
+    skipped."""
     import importlib.util
     from unittest import mock
 
     import jax
 
-    from serving.structured import TokenMask
+    from serving.structured_output.grammar import TokenMask
     spec = importlib.util.spec_from_file_location("baseline_sampler", path)
     assert spec is not None and spec.loader is not None, path
     module = importlib.util.module_from_spec(spec)

@@ -319,7 +319,7 @@ def host_step_cost(model_path, args):
     schedule, build_model_inputs and build_sampling_arrays (the pre-step host work) and the
     whole step (which adds update_after_step and output processing). Prefix caching stays
     on, as by default, so the step pays for hashing full pages."""
-    import serving.engine as engine_module
+    import serving.engine.llm_engine as engine_module
     config = json.loads((Path(model_path) / "config.json").read_text())
     max_len = args.host_max_model_len or min(2048, config["max_position_embeddings"])
     engine = decoding_engine(model_path, args, config, max_len)

@@ -21,9 +21,9 @@ import time
 
 from qwen_jax.tokenizer import Tokenizer
 from qwen_jax.weights import DEFAULT_MODEL_DIR
-from serving.detokenizer import IncrementalDetokenizer
-from serving.output_processor import OutputProcessor, ParentState, SeqState
-from serving.request import Request, SamplingParams
+from serving.core.request import Request, SamplingParams
+from serving.engine.detokenizer import IncrementalDetokenizer
+from serving.engine.output_processor import OutputProcessor, ParentState, SeqState
 
 TEXT = ("The engine streams every request's new tokens to its client once a step; a reply "
         "that thinks first can run to thousands of tokens before it answers. ")

@@ -29,7 +29,7 @@ from flax import nnx  # noqa: E402
 
 from qwen_jax import Qwen3ForCausalLM  # noqa: E402
 from scripts.quantize_checkpoint import quantise  # noqa: E402
-from serving.eval_tasks import TINY_MODEL, prompt_batch  # noqa: E402
+from serving.bench.eval_tasks import TINY_MODEL, prompt_batch  # noqa: E402
 
 
 def closeness(model, batch, mask, reference) -> dict:

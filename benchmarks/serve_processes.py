@@ -57,8 +57,8 @@ def install_fake_device(engine, device_ms: float) -> None:
 
 def served_cell(kind: str, args, num_seqs: int, device_ms: float) -> dict:
     from benchmarks.stream_chunks import _NoEngine, streamed_job
-    from serving.metrics import Metrics
-    from serving.request import SamplingParams
+    from serving.core.request import SamplingParams
+    from serving.metrics.prometheus import Metrics
     warmup = 5
     max_tokens = args.steps + warmup + 40
     rng = np.random.default_rng(num_seqs)
@@ -70,12 +70,12 @@ def served_cell(kind: str, args, num_seqs: int, device_ms: float) -> dict:
                        compilation_cache_dir=args.compilation_cache_dir,
                        stream_interval=args.stream_interval)
     if kind == "process":
-        from serving.engine_process import MPAsyncLLM
+        from serving.engine.process import MPAsyncLLM
         llm = MPAsyncLLM(args.model, engine_hook=("benchmarks.serve_processes",
                                                   "install_fake_device", (device_ms,)),
                          **engine_args)
     else:
-        from serving.async_llm import AsyncLLM
+        from serving.engine.async_llm import AsyncLLM
         llm = AsyncLLM(args.model, **engine_args)
         install_fake_device(llm.engine, device_ms)
     vocab = llm.engine.model_config.vocab_size
@@ -122,7 +122,7 @@ def send_cost(num_seqs: int, rounds: int, cache_dir) -> dict:
     import pickle
 
     from benchmarks.engine_overlap import decoding_engine
-    from serving.engine_process import _completion_fields, wire_output
+    from serving.engine.process import _completion_fields, wire_output
 
     def taken_apart(o):
         return wire_output(o.request_id, o.prompt, o.prompt_token_ids, o.prompt_logprobs,

@@ -43,7 +43,7 @@ from pathlib import Path
 
 REPO = Path(__file__).resolve().parent.parent
 SHIPPED_MODEL = REPO / "qwen_jax" / "assets" / "tiny-qwen3-moe"
-QWEN_JAX = [sys.executable, "-c", "from serving.cli import main; raise SystemExit(main())"]
+QWEN_JAX = [sys.executable, "-c", "from serving.cli.main import main; raise SystemExit(main())"]
 
 # `transformers serve` with vLLM's `ignore_eos` accepted on /v1/completions.
 HF_SERVE_SHIM = r"""

@@ -83,7 +83,7 @@ def start_server(args, log_path: str) -> tuple[subprocess.Popen, str]:
     with socket.socket() as s:
         s.bind(("127.0.0.1", 0))
         port = s.getsockname()[1]
-    cmd = [sys.executable, "-c", "from serving.cli import main; raise SystemExit(main())",
+    cmd = [sys.executable, "-c", "from serving.cli.main import main; raise SystemExit(main())",
            "serve", "--model", args.model, "--port", str(port), "--served-model-name", "soak",
            "--max-num-seqs", str(args.max_num_seqs), "--max-waiting", str(args.max_waiting),
            "--max-num-batched-tokens", str(args.max_num_batched_tokens),

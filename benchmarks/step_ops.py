@@ -5,7 +5,7 @@ and per step, one JSON line per bucket as soon as it is counted, then the sample
         [--impl pallas] [--kv-cache-dtype auto]
 
 Abstract params at the model's real shapes: nothing is allocated. "Heavy" ops are the
-ones that cost a kernel launch or a loop on a GPU (serving/step_hlo.py, HEAVY_OPS);
+ones that cost a kernel launch or a loop on a GPU (serving/executor/step_lowering.py, HEAVY_OPS);
 `per_step_heavy` counts each layer body once per layer.
 """
 
@@ -13,7 +13,7 @@ import argparse
 import json
 import sys
 
-from serving import step_hlo
+from serving.executor import step_lowering as step_hlo
 
 
 def main(argv=None):

@@ -16,10 +16,10 @@ import json
 import statistics
 import time
 
-from serving import openai_protocol as proto
-from serving.metrics import Metrics
-from serving.openai_outputs import Job
-from serving.request import CompletionOutput, RequestMetrics, RequestOutput
+from serving.core.request import CompletionOutput, RequestMetrics, RequestOutput
+from serving.entrypoints.openai import protocol as proto
+from serving.entrypoints.openai.outputs import Job
+from serving.metrics.prometheus import Metrics
 
 
 class _NoEngine:
@@ -56,7 +56,7 @@ def streamed_job(kind: str, metrics: Metrics, vocab_size: int = 1000) -> Job:
 def events(job: Job, output: RequestOutput) -> list[bytes]:
     if hasattr(job, "sse_chunks"):
         return job.sse_chunks(0, output)
-    from serving.openai_outputs import sse  # older checkouts
+    from serving.entrypoints.openai.outputs import sse  # older checkouts
     return [sse(chunk) for chunk in job.chunks(0, output)]
 
 

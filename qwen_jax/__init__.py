@@ -11,15 +11,15 @@ import importlib
 _PUBLIC = {
     "ModelConfig": "qwen_jax.config",
     "Qwen3ForCausalLM": "qwen_jax.model",
-    "LLM": "serving.llm",
-    "AsyncLLM": "serving.async_llm",
-    "MPAsyncLLM": "serving.engine_process",
-    "LLMEngine": "serving.engine",
-    "SamplingParams": "serving.request",
-    "RequestOutputKind": "serving.request",
-    "RequestOutput": "serving.request",
-    "CompletionOutput": "serving.request",
-    "EngineConfig": "serving.engine_config",
+    "LLM": "serving.entrypoints.llm",
+    "AsyncLLM": "serving.engine.async_llm",
+    "MPAsyncLLM": "serving.engine.process",
+    "LLMEngine": "serving.engine.llm_engine",
+    "SamplingParams": "serving.core.request",
+    "RequestOutputKind": "serving.core.request",
+    "RequestOutput": "serving.core.request",
+    "CompletionOutput": "serving.core.request",
+    "EngineConfig": "serving.engine.config",
 }
 
 __all__ = list(_PUBLIC)

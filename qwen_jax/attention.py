@@ -30,8 +30,9 @@ QUANTIZED_KV_DTYPES = (jnp.int8, jnp.float8_e4m3fn, jnp.float8_e5m2)
 @jax.tree_util.register_dataclass
 @dataclasses.dataclass(frozen=True)
 class AttentionMetadata:
-    """Where each flattened token sits in the paged cache (see serving/batch.py); host
-    numpy arrays until the step moves them to the devices."""
+    """Where each flattened token sits in the paged cache (see
+    serving/executor/model_inputs.py); host numpy arrays until the step moves them to the
+    devices."""
 
     slot_mapping: Int[Array | np.ndarray, " T"]  # flat slot (page * L + offset); pad -> page 0
     query_start: Int[Array | np.ndarray, " S+1"]

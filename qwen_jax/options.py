@@ -5,7 +5,7 @@ the engine configs and the CLI's `--help` can use them without loading jax."""
 PARAM_DTYPES = ("float32", "bfloat16", "float16")
 
 # KV cache dtypes: option name -> `jax.numpy` dtype name ("auto": the model's dtype); the
-# one list the config accepts and serving/kv_cache.py allocates from. fp8 pages are written
+# one list the config accepts and serving/executor/kv_cache.py allocates from. fp8 pages are written
 # and read with unit per-kv-head scales (vLLM's default without calibration); int8 is not
 # offered, since unit scales would round every value to an integer.
 KV_CACHE_DTYPES = {"auto": None, "bfloat16": "bfloat16", "float16": "float16",

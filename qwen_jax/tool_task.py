@@ -5,7 +5,7 @@ Two assistant turns per problem, rendered by the checkpoint's (Qwen3) chat templ
 Hermes-style call, `<tool_call>\\n{"name": "add", "arguments": {"a": 385, "b": 47}}\\n
 </tool_call>`; given the tool's result in a `role: "tool"` turn it answers
 `385 + 47 = 432`, copying the result (an empty think block leaves it no room to add).
-`qwen_jax.tasks.make_tool` draws the problems; `serving.eval_tasks` scores the loop
+`qwen_jax.tasks.make_tool` draws the problems; `serving.bench.eval_tasks` scores the loop
 (it needs the server's tool-call parser, and the model never imports the engine).
 """
 

@@ -16,8 +16,8 @@ def random_token_prompts(vocab_size: int, num_prompts: int, input_len: int, seed
 
 
 def bench_throughput(args, engine_kwargs: dict) -> dict:
-    from serving.llm import LLM
-    from serving.request import SamplingParams
+    from serving.core.request import SamplingParams
+    from serving.entrypoints.llm import LLM
 
     for name in ("num_prompts", "input_len", "output_len"):
         if getattr(args, name) < 1:

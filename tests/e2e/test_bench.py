@@ -7,7 +7,7 @@ import numpy as np
 import pytest
 
 from serving.bench.metrics import RequestResult, compute_metrics, format_table, parse_goodput
-from serving.cli import main
+from serving.cli.main import main
 from tests.helpers.fake_openai import serve_in_thread
 
 OUTPUT_LEN = 5
@@ -97,9 +97,9 @@ def test_bench_serve_unreachable_server_fails_fast(tmp_path):
 
 
 def test_bench_serve_against_the_real_server(tmp_path, tokenizer_ckpt, compile_cache):
-    from serving.async_llm import AsyncLLM
-    from serving.config import ServerConfig
-    from serving.server import build_app
+    from serving.core.config import ServerConfig
+    from serving.engine.async_llm import AsyncLLM
+    from serving.entrypoints.openai.api_server import build_app
     ckpt, _ = tokenizer_ckpt
     llm = AsyncLLM(str(ckpt), max_num_seqs=8, max_num_batched_tokens=64, max_model_len=96,
                    token_buckets=[64], seq_buckets=[8], show_progress=False,
@@ -180,8 +180,8 @@ def test_parse_goodput_rejects_bad_entries(bad):
 ])
 def test_bench_throughput_rejects_bad_lengths_before_loading(argv, message):
     from serving.bench.throughput import bench_throughput
-    from serving.cli import build_parser
-    from serving.cli_args import engine_kwargs
+    from serving.cli.args import engine_kwargs
+    from serving.cli.main import build_parser
     args = build_parser().parse_args(["bench", "throughput", "--model", "no-such-model", *argv])
     with pytest.raises(ValueError, match=message):
         bench_throughput(args, engine_kwargs(args))

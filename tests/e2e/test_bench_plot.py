@@ -8,7 +8,7 @@ import numpy as np
 import pytest
 
 from serving.bench.plot import load_results, throughput_series
-from serving.cli import main
+from serving.cli.main import main
 from test_bench import OUTPUT_LEN
 
 PNG_MAGIC = b"\x89PNG\r\n\x1a\n"

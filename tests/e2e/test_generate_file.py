@@ -17,7 +17,7 @@ ENGINE = ["--max-num-seqs", "8", "--max-num-batched-tokens", "64", "--max-model-
 
 
 def _generate(ckpt, cache, inp, out, *extra, wait=True):
-    cmd = [sys.executable, "-m", "serving.cli", "generate", "--model", str(ckpt),
+    cmd = [sys.executable, "-m", "serving.cli.main", "generate", "--model", str(ckpt),
            "--input", str(inp), "--output", str(out), "--compilation-cache-dir", str(cache),
            "--no-progress", "--temperature", "0", *ENGINE, *extra]
     env = {**os.environ, "JAX_PLATFORMS": "cpu"}
@@ -119,7 +119,7 @@ def test_bad_lines_are_reported_and_good_ones_complete(tmp_path, tokenizer_ckpt,
 
 
 def test_torn_tail_is_truncated_and_ids_collected(tmp_path):
-    from serving.generate_file import JsonlAppender
+    from serving.entrypoints.generate_file import JsonlAppender
     path = tmp_path / "out.jsonl"
     path.write_bytes(b'{"id": "a"}\n{"id": "b"}\n{"id": "c", "te')
     appender = JsonlAppender(path)
@@ -130,7 +130,7 @@ def test_torn_tail_is_truncated_and_ids_collected(tmp_path):
 
 
 def test_generate_file_rejects_unknown_default_sampling(tmp_path):
-    from serving.generate_file import generate_file
+    from serving.entrypoints.generate_file import generate_file
     (tmp_path / "in.jsonl").write_text("")
     with pytest.raises(ValueError, match="max_token"):
         generate_file(tmp_path / "in.jsonl", tmp_path / "out.jsonl", llm=object(),
@@ -138,15 +138,15 @@ def test_generate_file_rejects_unknown_default_sampling(tmp_path):
 
 
 def test_a_record_cannot_ask_for_streamed_outputs():
-    from serving.generate_file import BadLine, _parse_fields
+    from serving.entrypoints.generate_file import BadLine, _parse_fields
     with pytest.raises(BadLine, match=r"unknown field\(s\) \['output_kind'\].*final output"):
         _parse_fields({"id": "a", "prompt": "hi", "output_kind": "DELTA"}, 1, None, {}, None)
 
 
 def test_a_request_the_engine_fails_is_reported_and_the_rest_complete(tmp_path, tokenizer_ckpt,
                                                                       compile_cache):
-    from serving.generate_file import generate_file
-    from serving.llm import LLM
+    from serving.entrypoints.generate_file import generate_file
+    from serving.entrypoints.llm import LLM
     from tests.helpers.failures import corrupt_token_after
     ckpt, _ = tokenizer_ckpt
     llm = LLM(str(ckpt), max_num_seqs=8, max_num_batched_tokens=64, max_model_len=96,

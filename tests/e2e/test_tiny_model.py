@@ -9,7 +9,7 @@ import numpy as np
 import pytest
 
 from qwen_jax import tasks
-from serving.eval_tasks import (
+from serving.bench.eval_tasks import (
     TINY_MODEL,
     chat_template,
     evaluate,

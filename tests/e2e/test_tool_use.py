@@ -31,7 +31,7 @@ def xla_cache(tmp_path_factory):
 @pytest.fixture(scope="module")
 def tool_llm(xla_cache):
     from qwen_jax.weights import DEFAULT_MODEL_DIR
-    from serving.async_llm import AsyncLLM
+    from serving.engine.async_llm import AsyncLLM
     llm = AsyncLLM(str(DEFAULT_MODEL_DIR), compilation_cache_dir=xla_cache, **ENGINE)
     yield llm
     llm.shutdown()
@@ -97,7 +97,7 @@ async def test_tool_choice_none_leaves_the_call_as_text(client):
 
 def test_offline_chat_renders_tools_and_is_constrained_by_their_grammar(xla_cache):
     from qwen_jax import LLM, SamplingParams
-    from serving.tool_parsers import calls_grammar
+    from serving.parsers.tool_parsers import calls_grammar
     llm = LLM(compilation_cache_dir=xla_cache, **ENGINE)
     greedy = SamplingParams(temperature=0, max_tokens=64)
     (free,) = llm.chat(ASK, greedy, tools=[ADD_TOOL])

@@ -13,7 +13,7 @@ from flax import nnx
 from tokenizers import Tokenizer
 
 from qwen_jax.model import Qwen3ForCausalLM
-from serving.eval_tasks import MAX_ANSWER_TOKENS
+from serving.bench.eval_tasks import MAX_ANSWER_TOKENS
 
 
 def eos_ids(model_path) -> set[int]:

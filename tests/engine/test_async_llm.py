@@ -46,7 +46,7 @@ async def test_concurrent_requests_get_what_they_get_alone(async_llm, tiny_ckpt,
 async def test_a_steps_outputs_reach_the_event_loop_in_one_call(async_llm):
     """The engine thread hands each step's outputs to the loop at once (not one
     thread-safe call per output), and every stream still gets each of its outputs in order."""
-    from serving import async_llm as module
+    from serving.engine import async_llm as module
     loop = asyncio.get_running_loop()
     batches: list[list] = []
     original = loop.call_soon_threadsafe

@@ -9,9 +9,9 @@ import jax.numpy as jnp
 import pytest
 
 from qwen_jax import LLM, SamplingParams
-from serving.engine import LLMEngine
-from serving.llm import engine_config_from_kwargs
-from serving.sampler import SamplerOutput
+from serving.engine.llm_engine import LLMEngine
+from serving.entrypoints.llm import engine_config_from_kwargs
+from serving.sample.sampler import SamplerOutput
 from tests.engine.conftest import make_prompts
 
 ARGS = dict(max_num_seqs=8, max_num_batched_tokens=64, max_model_len=128,

@@ -5,8 +5,8 @@ import jax.numpy as jnp
 import numpy as np
 import pytest
 
-from serving.request import SamplingParams, uses_penalties
-from serving.sampler import SamplingEntry, build_sampling_arrays, sample
+from serving.core.request import SamplingParams, uses_penalties
+from serving.sample.sampler import SamplingEntry, build_sampling_arrays, sample
 
 _sample = jax.jit(sample)
 
@@ -120,7 +120,7 @@ def test_invalid_sampling_params_name_the_field(field, value):
 
 def _mask(allowed_rows, vocab):
     """A TokenMask whose row i allows exactly allowed_rows[i] (None: every token)."""
-    from serving.structured import TokenMask, num_mask_words
+    from serving.structured_output.grammar import TokenMask, num_mask_words
     bits = np.full((len(allowed_rows), num_mask_words(vocab)), -1, np.int32)
     for i, allowed in enumerate(allowed_rows):
         if allowed is not None:
@@ -146,7 +146,7 @@ def test_token_mask_limits_constrained_rows_only(params):
 
 
 def test_inactive_mask_changes_nothing():
-    from serving.structured import inactive_mask
+    from serving.structured_output.grammar import inactive_mask
     logits = np.random.default_rng(2).normal(size=(2, 40)).astype(np.float32)
     entries = [SamplingEntry(SamplingParams(temperature=1.0), 4, 0, (), None, 0)] * 2
     off = _mask([{1}, {2}], 40)
@@ -159,7 +159,7 @@ def test_inactive_mask_changes_nothing():
 
 
 def test_gumbel_uniforms_stay_strictly_inside_zero_one():
-    from serving.sampling_draw import gumbel_noise_at, uniform_from_bits
+    from serving.sample.draw import gumbel_noise_at, uniform_from_bits
     extremes = np.array([0, 1, 0xFFFFFF00, 0xFFFFFFFF], np.uint32)
     u = np.asarray(uniform_from_bits(extremes))
     assert (u > 0).all() and (u < 1).all()
@@ -172,7 +172,7 @@ def test_softmax_draw_follows_the_softmax():
     """The temperature-only draw (a block by its mass, then a token within it) against the
     softmax's probabilities: a chi-square over 100,000 seeds on a ragged vocabulary (five
     full blocks and a padded one), masked tokens never drawn."""
-    from serving.sampling_draw import DRAW_BLOCK, softmax_draw
+    from serving.sample.draw import DRAW_BLOCK, softmax_draw
     vocab, num_draws, chunk = 5 * DRAW_BLOCK + 44, 100_000, 25_000
     logits = (np.random.default_rng(7).normal(size=vocab) * 1.5).astype(np.float32)
     logits[[7, DRAW_BLOCK + 1, vocab - 1]] = -np.inf
@@ -195,7 +195,7 @@ def test_softmax_draw_follows_the_softmax():
 
 def _sorted_kept(scaled, sa):
     """bool[R, V]: what the full sort's filters keep of each row's finite logits."""
-    from serving.sampling_filters import _keep
+    from serving.sample.filters import _keep
     vocab = scaled.shape[-1]
     sorted_logits, ids = jax.lax.top_k(scaled, vocab)
     masked = jnp.where((jnp.arange(vocab)[None, :] < sa.top_k[:, None]) | (sa.top_k[:, None] <= 0),
@@ -211,7 +211,7 @@ def test_candidate_filtering_keeps_what_the_full_sort_keeps(peaked):
     others (flat logits: the candidates cannot hold top-p's mass; top-k past them) keep,
     by thresholds over the whole vocabulary, exactly the tokens the full sort keeps, and
     draw one of them."""
-    from serving.sampling_filters import (
+    from serving.sample.filters import (
         NUM_CANDIDATES,
         _candidates,
         _sorted_sample,
@@ -245,7 +245,7 @@ def test_candidate_filtering_keeps_what_the_full_sort_keeps(peaked):
 def test_top_k_mask_keeps_what_top_k_keeps():
     """The radix select's top k: lax.top_k's ids, ties broken towards the lower id, rows
     of -inf, k of 0 (off) and k past the vocabulary."""
-    from serving.vocab_threshold import top_k_mask
+    from serving.sample.vocab_threshold import top_k_mask
     vocab = 3000
     x = np.random.default_rng(9).integers(-3, 4, size=(6, vocab)).astype(np.float32)
     x[1, :] = -np.inf
@@ -266,7 +266,7 @@ def test_top_k_mask_keeps_what_top_k_keeps():
 def test_top_p_mask_keeps_the_smallest_most_likely_set_holding_p():
     """Against float64 sums: a token stays when the tokens more likely than it hold less
     than top_p; ties at the edge stay whole; top-p's edge found bit by bit."""
-    from serving.vocab_threshold import top_p_mask
+    from serving.sample.vocab_threshold import top_p_mask
     rng = np.random.default_rng(11)
     weights = np.exp(rng.normal(size=(5, 5000)) * np.array([[0.05], [1.0], [3.0], [0.0], [8.0]]))
     weights = (weights / weights.max(axis=-1, keepdims=True)).astype(np.float32)
@@ -283,8 +283,8 @@ def test_top_p_mask_keeps_the_smallest_most_likely_set_holding_p():
 def test_a_rows_token_never_depends_on_its_neighbours():
     """Seeded rows of one step, flat (the whole-vocabulary thresholds) and peaked (the
     candidates), draw the same token alone as in CPU chunks beside the other kind."""
-    import serving.sampler as sampler
-    from serving.sampling_filters import NUM_CANDIDATES
+    import serving.sample.sampler as sampler
+    from serving.sample.filters import NUM_CANDIDATES
     vocab = 3 * NUM_CANDIDATES + 5
     rng = np.random.default_rng(12)
     logits = (rng.normal(size=(6, vocab)) * np.array([[0.05], [6.0]] * 3)).astype(np.float32)
@@ -305,7 +305,7 @@ def test_block_top_k_equals_top_k_with_ties_and_a_ragged_vocabulary(k, vocab):
     """Candidates found through block maxima (two levels of blocks) are lax.top_k's:
     values, ids, order (ties broken towards the lower id), also where the vocabulary is
     no multiple of the block and where whole blocks are -inf."""
-    from serving.vocab_blocks import block_top_k
+    from serving.sample.vocab_blocks import block_top_k
     logits = np.random.default_rng(4).integers(0, 6, size=(6, vocab)).astype(np.float32)
     logits[1, :] = -np.inf
     logits[1, [3, 900, vocab - 1]] = 2.0
@@ -321,7 +321,7 @@ def test_block_top_k_of_divided_logits_equals_top_k_of_the_division():
     """block_top_k(x, k, divisor) without dividing x gives lax.top_k(x / divisor, k):
     values, ids and order, also where the division rounds neighbouring values into ties
     that x does not have."""
-    from serving.vocab_blocks import block_top_k
+    from serving.sample.vocab_blocks import block_top_k
     rng = np.random.default_rng(4)
     vocab = 100 * 128 + 37
     x = rng.integers(0, 7, size=(6, vocab)).astype(np.float32)
@@ -341,7 +341,7 @@ def test_block_top_k_of_divided_logits_equals_top_k_of_the_division():
 
 def test_block_argmax_equals_argmax():
     """The first maximum, through block maxima: ties, -inf rows and blocks."""
-    from serving.vocab_blocks import ARGMAX_BLOCK, block_argmax
+    from serving.sample.vocab_blocks import ARGMAX_BLOCK, block_argmax
     vocab = 40 * ARGMAX_BLOCK
     logits = np.random.default_rng(8).integers(0, 4, size=(6, vocab)).astype(np.float32)
     logits[1, :] = -np.inf
@@ -359,7 +359,7 @@ def test_few_candidates_draw_what_the_full_sort_draws(spread):
     candidates (spread 6: peaked) and rows that need the wider ones (top-k 65) draw the
     full sort's tokens; rows neither decides (spread 1: top-p 0.9 needs more than 1,024
     tokens) draw one the full sort keeps."""
-    from serving.sampling_filters import (
+    from serving.sample.filters import (
         NUM_FEW_CANDIDATES,
         _candidates,
         _sorted_sample,
@@ -389,7 +389,7 @@ def test_few_candidates_draw_what_the_full_sort_draws(spread):
 def test_row_chunks_sample_what_one_pass_samples(monkeypatch):
     """On CPU the sampler's branches take CPU_ROW_CHUNK rows at a time; every row's token
     and logprobs are what one pass over all rows gives."""
-    import serving.sampler as sampler
+    import serving.sample.sampler as sampler
     logits = np.random.default_rng(6).normal(size=(6, 3000)).astype(np.float32) * 4
     params = [SamplingParams(temperature=0.0, logprobs=3), SamplingParams(temperature=0.7),
               SamplingParams(temperature=0.9, top_p=0.8, top_k=20)]
@@ -408,7 +408,7 @@ def test_the_branch_free_form_samples_what_the_cpu_form_samples(monkeypatch, voc
     instead of a lax.cond; every row's token and logprobs are the same, over a step mixing greedy,
     logprobs, temperature alone, top-k, peaked and flat top-p, min-p, penalties and a
     min_tokens block."""
-    import serving.device_branches as branches
+    import serving.sample.device_branches as branches
     rng = np.random.default_rng(21)
     logits = (rng.normal(size=(10, vocab)) * np.array(
         [[4.0], [4.0], [1.0], [4.0], [6.0], [0.05], [3.0], [2.0], [4.0], [1.0]])
@@ -446,8 +446,8 @@ def executed_conditionals(monkeypatch, logits, params):
     """(output, how many lax.cond / lax.switch one sampler call runs) in the form a GPU
     gets (the branch-free form, one pass over the rows): every branch reports through a
     debug callback when it runs."""
-    import serving.device_branches as branches
-    import serving.sampler as sampler
+    import serving.sample.device_branches as branches
+    import serving.sample.sampler as sampler
     ran: list[int] = []
     cond, switch = jax.lax.cond, jax.lax.switch
 
@@ -480,8 +480,8 @@ def test_greedy_and_qwen3_recommended_steps_run_one_conditional(monkeypatch):
     (temperature 0.6 / 0.7, top-p 0.95 / 0.8, top-k 20) beside greedy rows, with logprobs
     or without; they draw the tokens the general path draws, on the CPU too, and the
     logprobs are the raw distribution's."""
-    from serving.sampler import token_logprobs
-    from serving.sampling_filters import NUM_CANDIDATES
+    from serving.sample.filters import NUM_CANDIDATES
+    from serving.sample.sampler import token_logprobs
     vocab = 2 * NUM_CANDIDATES + 7
     logits = (np.random.default_rng(31).normal(size=(4, vocab)) * 3).astype(np.float32)
     greedy = [SamplingParams(temperature=0.0)] * 4

@@ -4,7 +4,7 @@ place by a kernel, the layer body stays under its heavy-op ceiling, fp8 caches l
 
 import pytest
 
-from serving import step_hlo
+from serving.executor import step_lowering as step_hlo
 from tests.helpers.lowering import cuda_lowering_error
 
 pytestmark = pytest.mark.skipif(cuda_lowering_error() is not None,

@@ -6,11 +6,11 @@ from __future__ import annotations
 
 import zlib
 
-from serving.config import SchedulerConfig
-from serving.kv_cache_manager import KVCacheManager
-from serving.request import Request, RequestStatus, SamplingParams
-from serving.scheduler import Scheduler, SchedulerOutput
-from serving.swap import SwapManager
+from serving.core.config import SchedulerConfig
+from serving.core.kv_cache_manager import KVCacheManager
+from serving.core.request import Request, RequestStatus, SamplingParams
+from serving.core.scheduler import Scheduler, SchedulerOutput
+from serving.core.swap import SwapManager
 
 VOCAB = 50
 

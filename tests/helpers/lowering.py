@@ -6,7 +6,7 @@ import functools
 import jax
 import pytest
 
-from serving.step_hlo import cuda_lowering_error as _lowering_error
+from serving.executor.step_lowering import cuda_lowering_error as _lowering_error
 
 
 @functools.cache

@@ -8,7 +8,7 @@ from flax import nnx
 
 from qwen_jax import Qwen3ForCausalLM, checkpoint
 from qwen_jax.config import ModelConfig
-from serving.cli import main
+from serving.cli.main import main
 from tests.model.conftest import logits
 
 

@@ -30,7 +30,7 @@ from flax import nnx
 from qwen_jax import Qwen3ForCausalLM
 from qwen_jax.config import ModelConfig
 from scripts.quantize_checkpoint import quantise
-from serving.eval_tasks import TINY_MODEL, prompt_batch
+from serving.bench.eval_tasks import TINY_MODEL, prompt_batch
 
 KL_BOUND = {"int8": 0.03, "fp8": 0.05, "awq": 0.15}
 TOP1_BOUND = {"int8": 0.97, "fp8": 0.95, "awq": 0.9}
@@ -263,7 +263,7 @@ def test_convert_keeps_quantised_weights_and_restores_them(tmp_path, checkpoints
     """`qwen-jax convert` of an AWQ checkpoint, and of a float one with -q int8, saves the
     stored arrays; restoring gives them back bit for bit (a bf16 restore casts only the
     float params)."""
-    from serving.cli import main
+    from serving.cli.main import main
     for name, source, quantization in (("awq", checkpoints["awq"], None),
                                        ("int8", TINY_MODEL, "int8")):
         extra = ["--quantization", quantization] if quantization else []

@@ -50,7 +50,7 @@ def tiny_model_dir(tmp_path_factory):
 
 @pytest.fixture(scope="session")
 def shared_llm(tiny_model_dir, compile_cache):
-    from serving.async_llm import AsyncLLM
+    from serving.engine.async_llm import AsyncLLM
     llm = AsyncLLM(str(tiny_model_dir), compilation_cache_dir=compile_cache, **ENGINE_ARGS)
     yield llm
     llm.shutdown()
@@ -60,7 +60,7 @@ def shared_llm(tiny_model_dir, compile_cache):
 def long_llm(tmp_path_factory, compile_cache):
     """A random model like `shared_llm`'s with room for a tools header (about 220 prompt
     tokens) and the calls after it."""
-    from serving.async_llm import AsyncLLM
+    from serving.engine.async_llm import AsyncLLM
     path = write_tiny_checkpoint(tmp_path_factory.mktemp("server-ckpt") / "long")
     config = json.loads((path / "config.json").read_text())
     (path / "config.json").write_text(json.dumps({**config, "max_position_embeddings": 1024}))
@@ -97,8 +97,8 @@ class ServerThread:
     async def _start(self) -> None:
         from aiohttp import web
 
-        from serving.config import ServerConfig
-        from serving.server import build_app
+        from serving.core.config import ServerConfig
+        from serving.entrypoints.openai.api_server import build_app
         app = build_app(self.llm, ServerConfig(**self.server_kwargs))
         self.app = app
         self.runner = web.AppRunner(app, handler_cancellation=True, access_log=None)

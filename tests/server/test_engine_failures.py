@@ -25,7 +25,7 @@ MARKER = 4242  # the victim's prompt ends with it; no other prompt here contains
 def victim_llm(tiny_model_dir, compile_cache):
     """An engine of its own: these tests kill it. Buckets compile on first use (from the
     session's persistent cache): these tests need only one or two."""
-    from serving.async_llm import AsyncLLM
+    from serving.engine.async_llm import AsyncLLM
     llm = AsyncLLM(str(tiny_model_dir), compilation_cache_dir=compile_cache, precompile=False,
                    **ENGINE_ARGS)
     yield llm
@@ -116,8 +116,8 @@ def _post_when_up(url: str, body: dict, results: dict) -> None:
 
 
 def test_serve_answers_in_flight_requests_then_exits_1(victim_llm):
-    from serving.config import ServerConfig
-    from serving.serve_process import serve
+    from serving.core.config import ServerConfig
+    from serving.entrypoints.openai.serve_process import serve
     fail_device_step(victim_llm.engine)
     port = _free_port()
     results: dict = {}

@@ -13,8 +13,8 @@ import signal
 import aiohttp
 import pytest
 
-from serving.async_llm import EngineDeadError
-from serving.request import SamplingParams
+from serving.core.request import SamplingParams
+from serving.engine.async_llm import EngineDeadError
 from tests.helpers.prometheus import parse_values
 from tests.server.conftest import ENGINE_ARGS, ServerThread, wait_idle
 
@@ -34,7 +34,7 @@ def fail_steps_with(engine, request_id: str) -> None:
 
 @pytest.fixture(scope="module")
 def mp_llm(tiny_model_dir, compile_cache):
-    from serving.engine_process import MPAsyncLLM
+    from serving.engine.process import MPAsyncLLM
     llm = MPAsyncLLM(str(tiny_model_dir), compilation_cache_dir=compile_cache,
                      engine_hook=("tests.server.test_engine_process", "fail_steps_with",
                                   ("explode",)),
@@ -171,7 +171,7 @@ def _events(text: str) -> list[dict]:
 
 
 async def test_an_engine_process_that_exits_is_a_dead_engine(tiny_model_dir, compile_cache):
-    from serving.engine_process import MPAsyncLLM
+    from serving.engine.process import MPAsyncLLM
     llm = MPAsyncLLM(str(tiny_model_dir), compilation_cache_dir=compile_cache,
                      **{**ENGINE_ARGS, "precompile": False})
     told: list = []

@@ -10,7 +10,7 @@ import re
 import aiohttp
 import pytest
 
-from serving.http_policy import api_key_matches, parse_origins, request_id
+from serving.entrypoints.openai.http_policy import api_key_matches, parse_origins, request_id
 from tests.server.conftest import ServerThread
 
 ORIGIN = "https://app.example.com"

@@ -12,9 +12,9 @@ from pathlib import Path
 import aiohttp
 import pytest
 
-from serving.metrics import Metrics
-from serving.nvml import NvmlCollector, load_nvml
-from serving.step_cost import CostModel, DevicePeak, StepShape
+from serving.metrics.nvml import NvmlCollector, load_nvml
+from serving.metrics.prometheus import Metrics
+from serving.metrics.step_cost import CostModel, DevicePeak, StepShape
 from tests.helpers.prometheus import parse_values
 from tests.server.conftest import ServerThread, wait_idle
 
@@ -190,7 +190,7 @@ def test_token_counts_and_itl_come_from_the_steps_not_the_outputs():
     """A step's own stats count every token, whatever its outputs held (a whole response
     gets only its final output; --stream-interval N one per N tokens): each gap from the
     token's own previous one, a prompt once per request; the tracker counts only finishes."""
-    from serving.request import CompletionOutput, RequestMetrics, RequestOutput, SamplingParams
+    from serving.core.request import CompletionOutput, RequestMetrics, RequestOutput, SamplingParams
     metrics = Metrics(_FakeLLM(), "m")
     # step 1: two requests' first tokens (prompts of 5 and 7); step 2 at t=0.3: both again,
     # and a third request whose last token came at t=0.1
@@ -220,7 +220,7 @@ def test_token_gaps_expose_what_a_prometheus_histogram_would():
     its samples are prometheus_client's for the same observations, under both names."""
     from prometheus_client import CollectorRegistry, Histogram, generate_latest
 
-    from serving.metrics import ITL_BUCKETS
+    from serving.metrics.prometheus import ITL_BUCKETS
     metrics = Metrics(_FakeLLM(), "m", prefix="vllm")
     reference = CollectorRegistry()
     histogram = Histogram("vllm:inter_token_latency_seconds", "Inter-token latency.",

@@ -12,7 +12,7 @@ from tests.server.conftest import ENGINE_ARGS, ServerThread, wait_idle
 
 @pytest.fixture(scope="module")
 def bounded_server(tiny_model_dir, compile_cache):
-    from serving.async_llm import AsyncLLM
+    from serving.engine.async_llm import AsyncLLM
     llm = AsyncLLM(str(tiny_model_dir), compilation_cache_dir=compile_cache, max_waiting=1,
                    **ENGINE_ARGS)
     srv = ServerThread(llm, served_model_name="tiny").start()

@@ -16,7 +16,7 @@ RAW = "<think>\n2 3 4\n</think>\n\n432"  # what the model writes for SUM
 @pytest.fixture(scope="module")
 def thinking_llm(compile_cache):
     from qwen_jax.weights import DEFAULT_MODEL_DIR
-    from serving.async_llm import AsyncLLM
+    from serving.engine.async_llm import AsyncLLM
     llm = AsyncLLM(str(DEFAULT_MODEL_DIR), compilation_cache_dir=compile_cache, max_num_seqs=4,
                    max_num_batched_tokens=64, max_model_len=128, token_buckets=[8, 64],
                    seq_buckets=[4], show_progress=False)
@@ -88,14 +88,14 @@ async def test_without_a_parser_the_think_block_stays_in_content(unparsed):
 
 
 def test_server_config_rejects_an_unknown_parser():
-    from serving.config import ServerConfig
+    from serving.core.config import ServerConfig
     with pytest.raises(ValueError, match=r"reasoning_parser must be one of \['qwen3'\], "
                                          r"got 'deepseek_r1'"):
         ServerConfig(reasoning_parser="deepseek_r1")
 
 
 def test_serve_cli_rejects_an_unknown_parser_naming_the_choices(capsys):
-    from serving.cli import build_parser
+    from serving.cli.main import build_parser
     assert build_parser().parse_args(["serve"]).reasoning_parser is None
     assert build_parser().parse_args(
         ["serve", "--reasoning-parser", "qwen3"]).reasoning_parser == "qwen3"

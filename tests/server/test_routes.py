@@ -154,7 +154,7 @@ async def test_stop_string_cuts_the_text_there(server):
 
 
 async def test_stop_token_ids_finish_with_that_id(server):
-    from serving.request import SamplingParams
+    from serving.core.request import SamplingParams
     prompt = [9, 8, 7]
     outs = [o async for o in server.llm.generate(
         {"prompt_token_ids": prompt}, SamplingParams(temperature=0, max_tokens=6, ignore_eos=True))]

@@ -4,10 +4,10 @@ self-protection / swap state in /metrics."""
 import aiohttp
 import pytest
 
-from serving.cli import build_parser
-from serving.cli_args import engine_kwargs
-from serving.llm import engine_config_from_kwargs
-from serving.metrics import Metrics
+from serving.cli.args import engine_kwargs
+from serving.cli.main import build_parser
+from serving.entrypoints.llm import engine_config_from_kwargs
+from serving.metrics.prometheus import Metrics
 from tests.helpers.prometheus import parse_values
 
 

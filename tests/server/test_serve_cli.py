@@ -26,7 +26,7 @@ def free_port() -> int:
 @pytest.fixture
 def serve_process(tiny_model_dir, compile_cache):
     port = free_port()
-    cmd = [sys.executable, "-m", "serving.cli", "serve", "--model", str(tiny_model_dir),
+    cmd = [sys.executable, "-m", "serving.cli.main", "serve", "--model", str(tiny_model_dir),
            "--port", str(port), "--served-model-name", "tiny", "--shutdown-timeout", "20",
            "--compilation-cache-dir", compile_cache, *ARGS]
     env = {**os.environ, "JAX_PLATFORMS": "cpu", "PYTHONUNBUFFERED": "1"}
@@ -66,7 +66,7 @@ def engine_processes(parent: int) -> list[int]:
                 cmdline = f.read()
         except OSError:  # gone meanwhile
             continue
-        if int(fields[1]) == parent and fields[0] != "Z" and b"serving.engine_process" in cmdline:
+        if int(fields[1]) == parent and fields[0] != "Z" and b"serving.engine.process" in cmdline:
             pids.append(int(entry))
     return pids
 

@@ -5,7 +5,7 @@ import pytest
 
 from qwen_jax.config import ModelConfig
 from qwen_jax.planner import plan_memory, weight_bytes_per_device
-from serving.cli import main
+from serving.cli.main import main
 
 H200 = 141e9
 

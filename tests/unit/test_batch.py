@@ -5,9 +5,9 @@ import dataclasses
 import numpy as np
 import pytest
 
-from serving.batch import build_model_inputs
-from serving.request import Request
-from serving.scheduler import ScheduledSeq, SchedulerOutput
+from serving.core.request import Request
+from serving.core.scheduler import ScheduledSeq, SchedulerOutput
+from serving.executor.model_inputs import build_model_inputs
 
 BS = 4
 PAGES = 4
@@ -98,11 +98,11 @@ def test_page_table_mirrors_page_lists_through_admissions_preemptions_and_finish
     hits and finished requests; and only rows of page-holding requests stay taken."""
     import random
 
-    from serving.batch import PageTable, _page_table
-    from serving.config import SchedulerConfig
-    from serving.kv_cache_manager import KVCacheManager
-    from serving.request import RequestStatus, SamplingParams
-    from serving.scheduler import Scheduler
+    from serving.core.config import SchedulerConfig
+    from serving.core.kv_cache_manager import KVCacheManager
+    from serving.core.request import RequestStatus, SamplingParams
+    from serving.core.scheduler import Scheduler
+    from serving.executor.model_inputs import PageTable, _page_table
 
     rng = random.Random(0)
     pages_per_seq = 16

@@ -2,14 +2,14 @@
 
 import pytest
 
-from serving.buckets import (
+from serving.core.buckets import (
     bucket_pairs,
     make_buckets,
     make_token_buckets,
     pick_bucket,
     pick_seq_bucket,
 )
-from serving.config import CacheConfig, SchedulerConfig
+from serving.core.config import CacheConfig, SchedulerConfig
 
 
 def test_make_buckets_powers_of_two_with_limit_included():

@@ -3,8 +3,8 @@ headroom and growth plan, each switch logged once."""
 
 import logging
 
-from serving.config import SchedulerConfig
-from serving.degradation import KVPressure
+from serving.core.config import SchedulerConfig
+from serving.core.degradation import KVPressure
 from tests.helpers.fake_engine import FakeEngine
 
 CONFIG = SchedulerConfig(max_num_seqs=8, max_num_batched_tokens=64)
@@ -57,7 +57,7 @@ def test_infinite_duration_turns_degradation_off():
 
 def test_each_switch_is_logged_once(caplog):
     p = KVPressure(CONFIG)
-    with caplog.at_level(logging.WARNING, logger="serving.degradation"):
+    with caplog.at_level(logging.WARNING, logger="serving.core.degradation"):
         t = feed(p, 0, 100, 0.95)
         feed(p, t, 100, 0.1)
     lines = [r.getMessage() for r in caplog.records]

@@ -4,7 +4,7 @@ import random
 
 import pytest
 
-from serving.detokenizer import IncrementalDetokenizer
+from serving.engine.detokenizer import IncrementalDetokenizer
 from tests.helpers.text import random_text
 
 IM_END = 151645

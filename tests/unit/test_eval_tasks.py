@@ -2,7 +2,13 @@
 tool task scores the whole loop (the call, then the answer from its result)."""
 
 from qwen_jax import tool_task
-from serving.eval_tasks import TINY_MODEL, chat_template, evaluate_tool, final_answer, parse_call
+from serving.bench.eval_tasks import (
+    TINY_MODEL,
+    chat_template,
+    evaluate_tool,
+    final_answer,
+    parse_call,
+)
 
 
 def test_final_answer_is_the_text_after_the_think_block():

@@ -55,8 +55,8 @@ print(sorted(m for m in sys.modules if m.split(".")[0] == "serving"))
 
 def test_the_public_names_still_include_the_engine():
     import qwen_jax
-    from serving.llm import LLM
-    from serving.request import SamplingParams
+    from serving.core.request import SamplingParams
+    from serving.entrypoints.llm import LLM
     assert qwen_jax.LLM is LLM and qwen_jax.SamplingParams is SamplingParams
     assert {"LLM", "AsyncLLM", "SamplingParams", "Qwen3ForCausalLM"} <= set(qwen_jax.__all__)
 
@@ -114,7 +114,7 @@ def test_the_engine_imports_without_jaxtyping():
     # The GPU image runs the checkout with only jax/flax/orbax/aiohttp/tokenizers and a
     # few more installed: shape annotations must not need jaxtyping at import time.
     code = ("import sys; sys.modules['jaxtyping'] = None\n"
-            "import serving.engine, serving.runner, qwen_jax.model, pallas_kernels\n"
+            "import serving.engine.llm_engine, serving.executor.model_runner, qwen_jax.model, pallas_kernels\n"
             "from pallas_kernels.array_types import Float\n"
             "assert Float[int, 'T D'] is int\n"
             "print('ok')")

@@ -4,7 +4,7 @@ budget yielding, preempting a running long request for short ones, priority boos
 import numpy as np
 import pytest
 
-from serving.policies import LONG, MEDIUM, SHORT, length_bucket
+from serving.core.policies import LONG, MEDIUM, SHORT, length_bucket
 from tests.helpers.fake_engine import FakeEngine
 
 LA = "length-aware"

@@ -3,14 +3,14 @@
 import subprocess
 import sys
 
-MODULES = ["serving.request", "serving.page_pool", "serving.kv_cache_manager",
-           "serving.scheduler", "serving.buckets", "serving.batch", "serving.config",
-           "serving.reasoning", "serving.detokenizer", "serving.output_processor",
-           "serving.step_cost", "serving.http_policy", "serving.policies",
-           "serving.degradation", "serving.swap", "serving.prefill_cap", "qwen_jax.options",
-           "qwen_jax.validation", "qwen_jax.quantization", "serving.tool_parsers",
-           "serving.chat_reply",
-           "serving.structured", "serving.structured_params", "serving.openai_structured"]
+MODULES = ["serving.core.request", "serving.core.page_pool", "serving.core.kv_cache_manager",
+           "serving.core.scheduler", "serving.core.buckets", "serving.executor.model_inputs", "serving.core.config",
+           "serving.parsers.reasoning", "serving.engine.detokenizer", "serving.engine.output_processor",
+           "serving.metrics.step_cost", "serving.entrypoints.openai.http_policy", "serving.core.policies",
+           "serving.core.degradation", "serving.core.swap", "serving.core.prefill_cap", "qwen_jax.options",
+           "qwen_jax.validation", "qwen_jax.quantization", "serving.parsers.tool_parsers",
+           "serving.parsers.chat_reply",
+           "serving.structured_output.grammar", "serving.core.structured_params", "serving.entrypoints.openai.structured_requests"]
 
 
 def test_core_modules_do_not_import_jax():
@@ -22,10 +22,10 @@ def test_core_modules_do_not_import_jax():
 
 
 def test_pure_python_modules_do_not_import_numpy():
-    pure = ["serving.request", "serving.page_pool", "serving.kv_cache_manager",
-            "serving.scheduler", "serving.buckets", "serving.config", "serving.policies",
-            "serving.degradation", "serving.swap", "serving.prefill_cap",
-            "serving.tool_parsers", "serving.structured_params", "serving.chat_reply"]
+    pure = ["serving.core.request", "serving.core.page_pool", "serving.core.kv_cache_manager",
+            "serving.core.scheduler", "serving.core.buckets", "serving.core.config", "serving.core.policies",
+            "serving.core.degradation", "serving.core.swap", "serving.core.prefill_cap",
+            "serving.parsers.tool_parsers", "serving.core.structured_params", "serving.parsers.chat_reply"]
     code = ("import sys\n" + "".join(f"import {m}\n" for m in pure)
             + "print('numpy' in sys.modules)")
     result = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True,

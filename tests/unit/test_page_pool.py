@@ -2,9 +2,9 @@
 
 import pytest
 
-from serving.kv_cache_manager import KVCacheManager
-from serving.page_pool import ROOT_HASH, PagePool, hash_page_tokens
-from serving.request import Request, SamplingParams
+from serving.core.kv_cache_manager import KVCacheManager
+from serving.core.page_pool import ROOT_HASH, PagePool, hash_page_tokens
+from serving.core.request import Request, SamplingParams
 
 BS = 4
 

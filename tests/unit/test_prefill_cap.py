@@ -5,7 +5,7 @@ preemption for a short request short of pages once it waited past `short_preempt
 
 import pytest
 
-from serving.config import SchedulerConfig
+from serving.core.config import SchedulerConfig
 from tests.helpers.fake_engine import FakeEngine
 
 LA = "length-aware"

@@ -3,7 +3,7 @@ the text is cut into deltas."""
 
 import pytest
 
-from serving.reasoning import Qwen3ReasoningParser, reasoning_parser_class
+from serving.parsers.reasoning import Qwen3ReasoningParser, reasoning_parser_class
 
 THINKING = "<think>\n2 3 4\n</think>\n\n432"
 EMPTY_THINK = "<think>\n\n</think>\n\nHELLO"

@@ -2,7 +2,7 @@
 
 import pytest
 
-from serving.request import (
+from serving.core.request import (
     CompletionOutput,
     Request,
     RequestOutput,

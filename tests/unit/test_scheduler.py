@@ -2,10 +2,10 @@
 
 import pytest
 
-from serving.config import SchedulerConfig
-from serving.kv_cache_manager import KVCacheManager
-from serving.request import Request, RequestStatus, SamplingParams
-from serving.scheduler import QueueFullError, Scheduler
+from serving.core.config import SchedulerConfig
+from serving.core.kv_cache_manager import KVCacheManager
+from serving.core.request import Request, RequestStatus, SamplingParams
+from serving.core.scheduler import QueueFullError, Scheduler
 
 BS = 4
 

@@ -8,8 +8,8 @@ import json
 
 import pytest
 
-from serving.generation_config import sampling_defaults
-from serving.openai_protocol import parse_chat, parse_completion
+from serving.engine.generation_config import sampling_defaults
+from serving.entrypoints.openai.protocol import parse_chat, parse_completion
 
 QWEN3_GENERATION = {"bos_token_id": 151643, "do_sample": True, "eos_token_id": [151645, 151643],
                     "pad_token_id": 151643, "temperature": 0.6, "top_k": 20, "top_p": 0.95,
@@ -50,8 +50,8 @@ def test_requests_get_the_defaults_unless_they_say_otherwise(qwen3_dir, parse, b
 
 
 def test_serve_flags_reach_the_server_config():
-    from serving.cli import build_parser
-    from serving.server import ServerConfig
+    from serving.cli.main import build_parser
+    from serving.entrypoints.openai.api_server import ServerConfig
     args = build_parser().parse_args([
         "serve", "--tool-call-parser", "hermes", "--enable-auto-tool-choice",
         "--default-chat-template-kwargs", '{"enable_thinking": false}',
@@ -70,8 +70,8 @@ def test_serve_flags_reach_the_server_config():
 def test_serve_steps_the_engine_in_its_own_process_unless_told_or_multi_host(monkeypatch):
     import jax
 
-    from serving import serve_process
-    from serving.cli import build_parser
+    from serving.cli.main import build_parser
+    from serving.entrypoints.openai import serve_process
     built, platforms = [], []
     monkeypatch.setattr(serve_process, "AsyncLLM", lambda *a, **k: built.append("thread"))
     monkeypatch.setattr(serve_process, "MPAsyncLLM", lambda *a, **k: built.append("process"))

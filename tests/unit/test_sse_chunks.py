@@ -8,10 +8,10 @@ import json
 
 import pytest
 
-from serving import openai_protocol as proto
-from serving.metrics import Metrics
-from serving.openai_outputs import Job, sse
-from serving.request import CompletionOutput, RequestMetrics, RequestOutput
+from serving.core.request import CompletionOutput, RequestMetrics, RequestOutput
+from serving.entrypoints.openai import protocol as proto
+from serving.entrypoints.openai.outputs import Job, sse
+from serving.metrics.prometheus import Metrics
 
 TEXTS = ["ab", "", ' "quoted" ', "back\\slash", "new\nline\ttab", "\x00\x1f ctl", "é 漢字 🙂",
          "qwen-jax-chunk-text-slot", "</s>\u2028\u2029"]

@@ -7,7 +7,7 @@ from pathlib import Path
 import pytest
 
 from qwen_jax.config import ModelConfig
-from serving.step_cost import (
+from serving.metrics.step_cost import (
     CostModel,
     StepShape,
     device_peak,

@@ -3,17 +3,15 @@ grammars and their errors, where the constraint starts with thinking, and the ma
 
 from __future__ import annotations
 
-from pathlib import Path
-
 import numpy as np
 import pytest
 
 from qwen_jax.tokenizer import Tokenizer
-from serving.request import SamplingParams
-from serving.structured import GrammarCompiler, MaskBuilder
-from serving.structured_params import StructuredOutputsParams
+from serving.core.request import SamplingParams
+from serving.core.structured_params import StructuredOutputsParams
+from serving.structured_output.grammar import GrammarCompiler, MaskBuilder
+from tests.helpers.fixtures import QWEN3_TOKENIZER
 
-QWEN3 = Path(__file__).resolve().parents[3] / "shared" / "fixtures" / "qwen3-tokenizer"
 VOCAB = 151936
 SCHEMA = {"type": "object", "properties": {"n": {"type": "integer"}}, "required": ["n"],
           "additionalProperties": False}
@@ -21,9 +19,7 @@ SCHEMA = {"type": "object", "properties": {"n": {"type": "integer"}}, "required"
 
 @pytest.fixture(scope="module")
 def tok():
-    if not (QWEN3 / "tokenizer.json").exists():
-        pytest.skip("Qwen3 tokenizer fixture missing")
-    return Tokenizer.from_dir(QWEN3)
+    return Tokenizer.from_dir(QWEN3_TOKENIZER)
 
 
 @pytest.fixture(scope="module")
@@ -128,7 +124,7 @@ def test_finished_grammar_allows_only_eos(compiler, tok):
 
 
 def test_tool_call_grammar_after_a_think_block(compiler, tok):
-    from serving.tool_parsers import calls_grammar
+    from serving.parsers.tool_parsers import calls_grammar
     tools = [{"type": "function", "function": {"name": "add", "parameters": {
         "type": "object", "properties": {"a": {"type": "integer"}}, "required": ["a"]}}}]
     ids = {t: tok.backend.token_to_id(t) for t in ("<tool_call>", "</tool_call>")}

@@ -4,8 +4,8 @@ same outputs as a run that never preempts."""
 
 import pytest
 
-from serving.request import RequestStatus
-from serving.swap import SwapManager
+from serving.core.request import RequestStatus
+from serving.core.swap import SwapManager
 from tests.helpers.fake_engine import FakeEngine
 
 

@@ -66,7 +66,7 @@ def test_bad_task_or_split_is_refused_by_name(kwargs, field):
 
 def test_tool_problems_call_add_then_answer_from_the_result():
     from qwen_jax import tool_task
-    from serving.eval_tasks import parse_call
+    from serving.bench.eval_tasks import parse_call
     for p in tasks.problems("tool", 50):
         a, b = map(int, re.fullmatch(r"Use the tool to add (\d+) and (\d+)\.", p.prompt).groups())
         (m1, tools1, call), (m2, tools2, answer) = p.turns()

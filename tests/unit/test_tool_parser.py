@@ -8,9 +8,9 @@ import json
 
 import pytest
 
-from serving.chat_reply import ReplyFormat
-from serving.reasoning import Qwen3ReasoningParser
-from serving.tool_parsers import HermesToolParser, calls_grammar
+from serving.parsers.chat_reply import ReplyFormat
+from serving.parsers.reasoning import Qwen3ReasoningParser
+from serving.parsers.tool_parsers import HermesToolParser, calls_grammar
 
 ADD = '<tool_call>\n{"name": "add", "arguments": {"a": 385, "b": 47}}\n</tool_call>'
 MUL = ('<tool_call>\n{"name": "mul", "arguments": {"x": "a \\"}\\" b", "y": [1, {"z": 2}]}}'

@@ -4,7 +4,7 @@ import jax
 import numpy as np
 import pytest
 
-from serving.transfer import pack, packed_size, unpack
+from serving.executor.transfer import pack, packed_size, unpack
 
 
 def test_pack_unpack_round_trips_every_leaf_bit_for_bit():

@@ -1,0 +1,450 @@
+"""LLMEngine: add requests, step (schedule -> batch -> jitted step -> outputs), abort, stats."""
+
+from __future__ import annotations
+
+import dataclasses
+import logging
+import time
+
+import jax
+import numpy as np
+
+from qwen_jax.model import Qwen3ForCausalLM
+from qwen_jax.weights import DEFAULT_MODEL_DIR, resolve_model_path
+from serving.core.request import (
+    Request,
+    RequestOutput,
+    RequestOutputKind,
+    RequestStatus,
+    SamplingParams,
+    prompt_token_ids,
+)
+from serving.core.scheduler import SchedulerOutput
+from serving.core.structured_params import StructuredOutputsParams
+from serving.engine import setup as engine_setup
+from serving.engine import stats as engine_stats
+from serving.engine.config import EngineConfig
+from serving.engine.generation_config import sampling_defaults
+from serving.engine.output_processor import OutputProcessor, ParentState, SeqState, stream_due
+from serving.executor import distributed
+from serving.executor.model_inputs import ModelInputs, build_model_inputs, step_bucket
+from serving.executor.model_runner import (
+    PendingStep,
+    StepInputs,
+    default_compilation_cache_dir,
+    enable_compilation_cache,
+)
+from serving.metrics.step_cost import CostModel, StepShape
+from serving.sample.sampler import (
+    NUM_BLOCKED,
+    PENDING_TOKEN,
+    SamplingEntry,
+    build_sampling_arrays,
+    sampling_row,
+)
+from serving.structured_output.grammar import GrammarCompiler, Guide, MaskBuilder
+
+logger = logging.getLogger(__name__)
+
+
+class LLMEngine:
+    """One engine replica. `devices`: the TP x EP devices of its mesh (default: the first
+    ones); data parallelism runs several replicas (see serving/entrypoints/llm.py)."""
+
+    def __init__(self, config: EngineConfig, devices=None):
+        self.config = config
+        cache_dir = config.compilation_cache_dir
+        enable_compilation_cache(
+            default_compilation_cache_dir() if cache_dir == "default" else cache_dir)
+        started = time.perf_counter()
+        self.model_path = resolve_model_path(config.model or DEFAULT_MODEL_DIR)
+        self.mesh = engine_setup.replica_mesh(config, self.model_path, devices)
+        self.model = Qwen3ForCausalLM.from_pretrained(
+            self.model_path, engine_setup.model_dtype(config),
+            impl=engine_setup.model_impl(config), load_format=config.load_format,
+            seed=config.seed, mesh=self.mesh, quantization=config.quantization)
+        self.load_seconds = time.perf_counter() - started
+        self.model_config = self.model.config
+        self.tokenizer = engine_setup.load_tokenizer(config, self.model_path)
+        eos = set(self.model_config.eos_token_ids)
+        if self.tokenizer is not None:
+            eos |= set(self.tokenizer.eos_token_ids)
+        self.output_processor = OutputProcessor(self.tokenizer, tuple(sorted(eos)))
+        self.default_sampling = sampling_defaults(self.model_path, config.generation_config)
+        self.grammars = (None if self.tokenizer is None else
+                         GrammarCompiler(self.tokenizer, self.model_config.vocab_size, sorted(eos)))
+        self._masks = MaskBuilder(self.model_config.vocab_size)
+        setup = engine_setup.build_cache(config, self.model, self.mesh)
+        self.scheduler_config, self.page_size = setup.scheduler_config, setup.page_size
+        self.pages_per_seq, self.kv_cache_dtype = setup.pages_per_seq, setup.kv_cache_dtype
+        self.bytes_per_page, self.num_pages = setup.bytes_per_page, setup.num_pages
+        self.kv_manager, self.page_table = setup.kv_manager, setup.page_table
+        self.host_kv, self.scheduler = setup.host_kv, setup.scheduler
+        self.runner, self.bucket_pairs = setup.runner, setup.bucket_pairs
+        self._rng = np.random.default_rng(config.seed)
+        self._seqs: dict[str, SeqState] = {}
+        # live sequences with a grammar (its next mask needs its last token on the host,
+        # so steps run serially while there is one): counted, not scanned for
+        self._num_guided = 0
+        self._parents: dict[str, ParentState] = {}
+        self.compile_seconds = 0.0
+        self.last_step: dict = {}
+        self._in_flight: _Flight | None = None  # dispatched, tokens not read yet
+        self.num_overlapped_steps = 0  # dispatched while the step before was in flight
+        self._last_retired = 0.0
+        if config.precompile:
+            self.compile_seconds = self.runner.precompile(self.bucket_pairs,
+                                                          progress=config.show_progress)
+            if self.host_kv is not None:
+                self.host_kv.compile(self.runner.kv_caches)
+
+    # ---- construction ------------------------------------------------------------------
+    @property
+    def max_model_len(self) -> int:
+        return self.scheduler_config.resolved_max_model_len
+
+    @property
+    def devices(self) -> list:
+        """The devices this replica runs on."""
+        return [jax.devices()[0]] if self.mesh is None else list(self.mesh.devices.flat)
+
+    @property
+    def cost_model(self) -> CostModel:
+        """FLOPs and bytes per step of this engine's weights and KV cache (the metrics')."""
+        return CostModel.for_engine(self)
+
+    @property
+    def kv_capacity_tokens(self) -> int:
+        return self.kv_manager.num_total_pages * self.page_size
+
+    # ---- requests ----------------------------------------------------------------------
+    def add_request(self, request_id: str, prompt, sampling_params: SamplingParams | None = None,
+                    *, priority: int = 0, arrival_time: float | None = None,
+                    stream: bool = True) -> None:
+        """Queue a request. `step` returns its outputs as its `output_kind` says;
+        `stream=False` makes that FINAL_ONLY (no per-token output objects: what offline
+        generation needs)."""
+        params = sampling_params or SamplingParams()
+        kind = params.output_kind if stream else RequestOutputKind.FINAL_ONLY
+        # Request ids, not sequence ids: a request's first sample can finish (and leave the
+        # scheduler) while its others run, so the scheduler's own check cannot cover them.
+        if request_id in self._parents:
+            raise ValueError(f"request_id {request_id!r} is already in use")
+        text, ids = prompt_token_ids(prompt, self.tokenizer, self.model_config.vocab_size,
+                                     self.model_path)
+        blocked = self._blocked_ids(params)
+        children = []
+        try:
+            for i in range(params.n):
+                child_id = request_id if params.n == 1 else f"{i}_{request_id}"
+                # Request checks the prompt is non-empty; the scheduler checks its length
+                # and that the cache can ever hold it (before prompt logprobs are computed).
+                request = Request(request_id=child_id, prompt_token_ids=ids, sampling_params=params,
+                                  priority=priority,
+                                  arrival_time=arrival_time or time.monotonic())
+                self.scheduler.add_request(request)
+                children.append(self._seq_state(request, request_id, i, blocked))
+                children[-1].guide = self._guide(params, ids)
+            prompt_lps = (None if params.prompt_logprobs is None
+                          else self._prompt_logprobs(ids, params.prompt_logprobs))
+        except Exception:
+            for child in children:
+                self.scheduler.abort(child.request.request_id)
+            raise
+        for child in children:
+            self._seqs[child.request.request_id] = child
+            self._num_guided += child.guide is not None
+        self._parents[request_id] = ParentState(
+            request_id, text, ids, children, kind != RequestOutputKind.FINAL_ONLY, prompt_lps,
+            delta=kind == RequestOutputKind.DELTA)
+
+    def _guide(self, params: SamplingParams, prompt_ids: list[int]) -> Guide | None:
+        """The grammar matcher of a request with structured outputs, else None."""
+        constraint = params.structured_outputs
+        if constraint is None:
+            return None
+        if self.grammars is None:
+            raise ValueError("structured_outputs need a tokenizer; the model has none")
+        if distributed.is_multiprocess():
+            raise ValueError("structured_outputs are not supported with multiple processes")
+        if isinstance(constraint, dict):  # SamplingParams converts these on construction
+            constraint = StructuredOutputsParams.from_dict(constraint)
+        return self.grammars.guide(constraint, prompt_ids)
+
+    def _prompt_logprobs(self, ids: list[int], num: int) -> list:
+        if distributed.is_multiprocess():
+            raise ValueError("prompt_logprobs is not supported with multiple processes")
+        return self.output_processor.prompt_logprobs(ids, self.runner.score_prompt(ids), num)
+
+    def _blocked_ids(self, params: SamplingParams) -> tuple[int, ...]:
+        if params.min_tokens == 0:
+            return ()
+        eos = () if params.ignore_eos else tuple(self.output_processor.eos_token_ids)
+        stop_ids = tuple(params.stop_token_ids or ())
+        blocked = tuple(dict.fromkeys(eos + stop_ids))
+        if len(blocked) > NUM_BLOCKED:
+            raise ValueError(f"stop_token_ids has {len(stop_ids)} ids; with "
+                             f"min_tokens > 0 at most {NUM_BLOCKED - len(eos)} are supported")
+        return blocked
+
+    def _seq_state(self, request, parent_id, index, blocked) -> SeqState:
+        # Children of one request get distinct streams; an explicit seed stays reproducible.
+        seed = request.sampling_params.seed
+        base = int(self._rng.integers(0, 2**32)) if seed is None else seed
+        return self.output_processor.new_seq(request, parent_id, index,
+                                             (base + index * 0x9E3779B9) % 2**32, blocked)
+
+    def abort(self, request_id: str) -> RequestOutput | None:
+        """Abort a request (all its samples); its pages are free on return."""
+        parent = self._parents.pop(request_id, None)
+        if parent is None:
+            return None
+        for child in parent.children:
+            self.scheduler.abort(child.request.request_id)
+            self._forget(child)
+        return self.output_processor.request_output(parent)
+
+    def _forget(self, seq: SeqState) -> None:
+        if self._seqs.pop(seq.request.request_id, None) is not None:
+            self._num_guided -= seq.guide is not None
+
+    def request_ids(self) -> list[str]:
+        return list(self._parents)
+
+    def request_prompt(self, request_id: str) -> tuple[str | None, list[int]]:
+        """A live request's prompt text (None when given as ids) and token ids."""
+        parent = self._parents[request_id]
+        return parent.prompt, parent.prompt_token_ids
+
+    def has_unfinished_requests(self) -> bool:
+        return bool(self._parents)
+
+    # ---- the step ----------------------------------------------------------------------
+    def step(self) -> list[RequestOutput]:
+        """One engine iteration; returns an output for every request that produced a token.
+
+        Overlapped (`async_scheduling`, the default): step N+1 is scheduled, built and
+        dispatched before step N's tokens are read; the rows that decode take their input
+        token from step N's output on the device, and step N's outputs are processed
+        while N+1 computes. A request that finished at step N may be in N+1: that token
+        is dropped. Steps run serially while some live request needs its tokens on the
+        host before the next step (grammar masks) and with several processes."""
+        self.last_step = {}  # set when this call reads a step's tokens
+        overlap = self._can_overlap()
+        if self._in_flight is not None and not overlap:
+            last, self._in_flight = self._in_flight, None  # finish it, then go serial
+            return self._retire(last)
+        out = self.scheduler.schedule()
+        self._copy_swapped_pages(out)
+        flight = None if out.is_empty else self._launch(out)
+        if not overlap:
+            if flight is None:
+                return []
+            self.scheduler.update_after_step(out)
+            return self._retire(flight)
+        previous, self._in_flight = self._in_flight, flight
+        if previous is not None and flight is not None:
+            self.num_overlapped_steps += 1
+        outputs = [] if previous is None else self._retire(previous)
+        if flight is not None:  # after the step before's tokens are appended: the pages
+            self.scheduler.update_after_step(out)  # it fills can then be hashed
+        return outputs
+
+    def _can_overlap(self) -> bool:
+        if not self.scheduler_config.async_scheduling or distributed.is_multiprocess():
+            return False
+        return self._num_guided == 0
+
+    def _launch(self, out: SchedulerOutput) -> _Flight:
+        """Build the step's inputs and dispatch it; returns at once."""
+        buckets = self.scheduler_config.token_bucket_sizes, self.scheduler_config.seq_bucket_sizes
+        bucket = step_bucket(out, *buckets)
+        masks = self._masks.submit(self._constrained_rows(out), bucket[1])  # filled meanwhile
+        previous = self._in_flight
+        batch = build_model_inputs(out, *buckets, self.page_size, self.pages_per_seq,
+                                   None if previous is None else previous.rows,
+                                   self.page_table, bucket)
+        sampling = build_sampling_arrays(
+            self._sampling_entries(out), batch.padded_num_seqs,
+            self.max_model_len, self.model_config.vocab_size,
+            None if masks is None else masks.result())
+        inputs = StepInputs.from_batch(batch)
+        if distributed.is_multiprocess():
+            distributed.publish_step(inputs, sampling)
+        started = time.perf_counter()
+        pending = self.runner.dispatch(inputs, sampling,
+                                       None if previous is None else previous.pending)
+        rows = {}
+        for row, scheduled in enumerate(out.scheduled):
+            if scheduled.samples:
+                rows[scheduled.request.request_id] = row
+                scheduled.request.num_pending_tokens += 1
+        return _Flight(out, pending, rows, started, batch)
+
+    def _retire(self, flight: _Flight) -> list[RequestOutput]:
+        """Read a dispatched step's tokens and process them."""
+        result = flight.pending.result()
+        now = time.perf_counter()
+        out = flight.out
+        # The device time of the step, about: from its dispatch or the step before's end.
+        seconds = now - max(flight.started, self._last_retired)
+        self._last_retired = now
+        batch = flight.batch
+        self.last_step = {"num_tokens": batch.num_tokens, "num_seqs": out.num_seqs,
+                          "bucket": batch.bucket, "seconds": seconds,
+                          "num_preempted": len(out.preempted),
+                          "num_admitted": out.num_admitted, "shape": _step_shape(batch)}
+        return self._process_tokens(out, result)
+
+    def _process_tokens(self, out, result) -> list[RequestOutput]:
+        """Take each sampled token off the pending count, append it, check stops and
+        grammars, emit outputs."""
+        tokens = result.token_ids.tolist()  # one conversion, not a numpy scalar per row
+        now = time.monotonic()  # every token of the step reached the host now
+        seqs, parents = self._seqs, self._parents
+        append = self.output_processor.append
+        streamed_output = self.output_processor.streamed_output
+        streamed_delta = self.output_processor.streamed_delta
+        vocab, logprobs = self.model_config.vocab_size, result.logprobs
+        interval = self.scheduler_config.stream_interval
+        outputs: list[RequestOutput] = []
+        touched: dict[str, ParentState] = {}  # requests with n > 1
+        # The step's token stats, whatever its outputs hold (they may hold none: FINAL_ONLY,
+        # stream_interval): tokens appended, prompts whose first token this is, and the
+        # previous token's time of each other token, counted by time (a step's tokens
+        # mostly share one), for the metrics' inter-token latency.
+        num_generated = num_prompt_tokens = 0
+        previous_times: dict[float, int] = {}
+        for row, scheduled in enumerate(out.scheduled):
+            if not scheduled.samples:
+                continue
+            request = scheduled.request
+            request.num_pending_tokens -= 1  # its token is on the host now
+            seq = seqs.get(request.request_id)
+            if seq is None or request.is_finished:
+                continue
+            token = tokens[row]
+            previous = request.metrics.last_token_time
+            try:
+                if not 0 <= token < vocab:
+                    raise ValueError(f"sampled token id {token} for {request.request_id!r} "
+                                     f"is outside the vocabulary [0, {vocab})")
+                num_generated += 1
+                if previous is not None:
+                    previous_times[previous] = previous_times.get(previous, 0) + 1
+                elif seq.index == 0:  # a request's prompt counts once, not once per sample
+                    num_prompt_tokens += len(request.prompt_token_ids)
+                status = append(seq, token, logprobs, row, now)
+                if seq.guide is not None and not seq.guide.accept(token):
+                    logger.error("request %s: token %d broke its grammar: %s", seq.parent_id,
+                                 token, seq.guide.matcher.get_error())
+                    status = RequestStatus.FINISHED_ERROR
+            except Exception as exc:  # one sequence's data: the cache and the rest are intact
+                status = None
+                self._fail(parents[seq.parent_id], exc)
+            if status is not None:
+                self.scheduler.finish(request.request_id, status)
+            parent = parents[seq.parent_id]
+            if len(parent.children) > 1:
+                touched[seq.parent_id] = parent  # one output for its samples, after the loop
+            elif request.is_finished:
+                outputs.append(self._emit(parent, True))
+            elif parent.stream and (interval == 1 or stream_due(seq, interval)):
+                outputs.append(streamed_delta(parent, seq) if parent.delta
+                               else streamed_output(parent, seq))
+        for parent in touched.values():
+            finished = parent.finished
+            if finished or parent.stream and (interval == 1 or any(
+                    stream_due(child, interval) for child in parent.children)):
+                outputs.append(self._emit(parent, finished))
+        self.last_step.update(num_generated=num_generated, num_prompt_tokens=num_prompt_tokens,
+                              token_time=now, previous_token_times=previous_times)
+        return outputs
+
+    def _constrained_rows(self, out) -> list:
+        """(row, guide) of the rows that sample this step under a grammar."""
+        rows: list = []
+        if not self._num_guided:
+            return rows
+        for row, scheduled in enumerate(out.scheduled):
+            seq = self._seqs.get(scheduled.request.request_id)
+            if scheduled.samples and seq is not None and seq.guide is not None:
+                rows.append((row, seq.guide))
+        return rows
+
+    def _fail(self, parent: ParentState, exc: Exception) -> None:
+        """End a request whose own output could not be processed: its final output carries
+        the error (finish_reason "error"); the other requests of the step go on."""
+        logger.error("request %s failed: %r", parent.request_id, exc)
+        parent.error = f"{type(exc).__name__}: {exc}"
+        for child in parent.children:
+            if not child.request.is_finished:
+                self.scheduler.finish(child.request.request_id, RequestStatus.FINISHED_ERROR)
+
+    def _copy_swapped_pages(self, out: SchedulerOutput) -> None:
+        """The swaps the scheduler planned, before the step writes any page they read."""
+        if self.host_kv is None:
+            return
+        self.host_kv.release(out.host_pages_freed)
+        if out.swap_out:
+            self.runner.copy_pages_to_host(self.host_kv, *zip(*out.swap_out))
+        if out.swap_in:
+            self.runner.copy_pages_from_host(self.host_kv, *zip(*out.swap_in))
+
+    def _sampling_entries(self, out: SchedulerOutput) -> list[SamplingEntry]:
+        """Each scheduled sequence's row of the step's sampling arrays. A sequence keeps
+        one entry and updates what changes per step (the arrays copy it at once)."""
+        seqs, entries = self._seqs, []
+        for scheduled in out.scheduled:
+            request = scheduled.request
+            seq = seqs[request.request_id]
+            entry = seq.sampling_entry
+            if entry is None:
+                params = request.sampling_params
+                entry = seq.sampling_entry = SamplingEntry(
+                    params, seq.seed, 0, (), None, len(request.prompt_token_ids),
+                    sampling_row(params, seq.seed))
+            entry.output_index = num_output = (len(request.output_token_ids)
+                                               + request.num_pending_tokens)
+            if seq.blocked_ids:  # eos/stop ids, blocked until min_tokens
+                entry.blocked_ids = (seq.blocked_ids if num_output
+                                     < request.sampling_params.min_tokens else ())
+            if seq.uses_penalties:  # the token in flight, if any, is filled on the device
+                entry.penalty_tokens = (request.all_token_ids
+                                        + [PENDING_TOKEN] * request.num_pending_tokens)
+            entries.append(entry)
+        return entries
+
+    def _emit(self, parent: ParentState, finished: bool) -> RequestOutput:
+        """The request's output after a step that touched it (the caller emits one each
+        step while it streams, else only the final one: finished by its status, or failed
+        by _fail); a finished request is forgotten."""
+        output = self.output_processor.request_output(parent, finished)
+        if finished:
+            self._parents.pop(parent.request_id, None)
+            for child in parent.children:
+                self._forget(child)
+        return output
+
+    # ---- introspection -----------------------------------------------------------------
+    def stats(self) -> dict:
+        return {**engine_stats.kv_stats(self), **engine_stats.scheduling_stats(self.scheduler)}
+
+
+@dataclasses.dataclass
+class _Flight:
+    """A dispatched step whose tokens the host has not read."""
+
+    out: SchedulerOutput
+    pending: PendingStep
+    rows: dict[str, int]  # request id -> row, of the requests it samples a token for
+    started: float
+    batch: ModelInputs  # its host arrays
+
+
+def _step_shape(batch: ModelInputs) -> StepShape:
+    """Each scheduled sequence's new tokens and its context once they are written."""
+    num_seqs = int(batch.num_seqs)
+    return StepShape(query_lens=tuple(np.diff(batch.query_start[:num_seqs + 1]).tolist()),
+                     context_lens=tuple(batch.kv_lens[:num_seqs].tolist()))
+

@@ -1,0 +1,111 @@
+"""What an LLMEngine is built from: its mesh, tokenizer, paged KV cache, scheduler and runner."""
+
+from __future__ import annotations
+
+import dataclasses
+from pathlib import Path
+
+import jax
+
+from qwen_jax.config import ModelConfig
+from qwen_jax.model import Qwen3ForCausalLM
+from qwen_jax.params import resolve_kv_cache_dtype
+from qwen_jax.planner import kv_bytes_per_page
+from qwen_jax.sharding import make_mesh, tp_size
+from qwen_jax.tokenizer import Tokenizer
+from serving.core.buckets import bucket_pairs
+from serving.core.config import SchedulerConfig
+from serving.core.kv_cache_manager import KVCacheManager
+from serving.core.scheduler import Scheduler
+from serving.core.swap import SwapManager
+from serving.engine.config import EngineConfig
+from serving.executor import distributed, kv_cache
+from serving.executor.model_inputs import PageTable
+from serving.executor.model_runner import ModelRunner
+from serving.executor.swap_store import HostKVStore
+
+DEFAULT_MAX_MODEL_LEN = 4096
+
+
+def model_dtype(config: EngineConfig) -> str:
+    if config.dtype != "auto":
+        return config.dtype
+    return "bfloat16" if jax.default_backend() == "gpu" else "float32"
+
+
+def model_impl(config: EngineConfig) -> str | None:
+    return None if config.impl == "auto" else config.impl
+
+
+def replica_mesh(config: EngineConfig, model_path: Path, devices):
+    """The TP x EP mesh of one replica; None for one device (plain jit, no shard_map)."""
+    parallel = config.parallel
+    if parallel.replica_size == 1 and devices is None:
+        return None
+    devices = list(devices if devices is not None else jax.devices())
+    parallel.validate(ModelConfig.from_hf(model_path), len(jax.devices()))
+    return make_mesh(parallel.tensor_parallel_size, parallel.expert_parallel_size, devices)
+
+
+def load_tokenizer(config: EngineConfig, model_path: Path) -> Tokenizer | None:
+    path = Path(config.tokenizer or model_path)
+    tokenizer = Tokenizer.from_dir(path) if path.is_dir() else None
+    if tokenizer is not None:
+        tokenizer.token_bytes()  # the detokenizer's table, built now (not at a first request)
+    return tokenizer
+
+
+@dataclasses.dataclass(frozen=True)
+class CacheSetup:
+    """The paged KV cache and everything sized from it."""
+
+    scheduler_config: SchedulerConfig  # max_model_len resolved
+    page_size: int
+    pages_per_seq: int
+    kv_cache_dtype: object  # a jnp dtype
+    bytes_per_page: int
+    num_pages: int
+    kv_manager: KVCacheManager
+    page_table: PageTable
+    host_kv: HostKVStore | None
+    scheduler: Scheduler
+    runner: ModelRunner
+    bucket_pairs: list
+
+
+def build_cache(config: EngineConfig, model: Qwen3ForCausalLM, mesh) -> CacheSetup:
+    """Size and allocate the KV cache, then the scheduler and runner that use it."""
+    sched, cache, model_config = config.scheduler, config.cache, model.config
+    if sched.max_model_len is None:  # vLLM takes the model's; capped to keep the page
+        # table (and the CPU reference attention, which reads all of it) small
+        sched = dataclasses.replace(sched, max_model_len=min(
+            DEFAULT_MAX_MODEL_LEN, model_config.max_position_embeddings))
+    max_model_len = sched.resolved_max_model_len
+    if max_model_len > model_config.max_position_embeddings:
+        raise ValueError(
+            f"max_model_len={max_model_len} exceeds the model's "
+            f"max_position_embeddings={model_config.max_position_embeddings}")
+    page_size = cache.block_size  # vLLM's option name for the page size
+    pages_per_seq = sched.pages_per_seq(page_size)
+    dtype = resolve_kv_cache_dtype(cache.kv_cache_dtype, model.dtype)
+    max_pages = 1 + sched.max_num_seqs * pages_per_seq
+    bytes_per_page = kv_bytes_per_page(model_config, page_size, dtype, tp_size(mesh))
+    num_pages = kv_cache.num_pages_to_allocate(cache, bytes_per_page, max_pages)
+    caches = kv_cache.allocate(model, num_pages, page_size, dtype)
+    kv_manager = KVCacheManager(num_pages, page_size, cache.enable_prefix_caching)
+    page_table = PageTable(pages_per_seq, sched.max_num_seqs)
+    kv_manager.listener = page_table
+    # host pages for `swap_space` GiB (per device, as vLLM counts it)
+    num_host_pages = int(cache.swap_space * 2**30) // bytes_per_page
+    if num_host_pages and distributed.is_multiprocess():
+        raise ValueError(f"swap_space={cache.swap_space} is not supported with multiple "
+                         "processes; use 0 (recompute)")
+    host_kv = HostKVStore(num_pages, pages_per_seq) if num_host_pages else None
+    scheduler = Scheduler(sched, kv_manager,
+                          swap=SwapManager(num_host_pages, cache.swap_min_tokens))
+    runner = ModelRunner(model, caches, max_model_len=max_model_len,
+                         pages_per_seq=pages_per_seq, mesh=mesh,
+                         max_num_seqs=max(sched.seq_bucket_sizes))
+    return CacheSetup(sched, page_size, pages_per_seq, dtype, bytes_per_page, num_pages,
+                      kv_manager, page_table, host_kv, scheduler, runner,
+                      bucket_pairs(sched.token_bucket_sizes, sched.seq_bucket_sizes))

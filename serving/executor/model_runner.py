@@ -1,0 +1,403 @@
+"""The jitted step: forward over the padded ragged batch, lm head on the sampled rows,
+sampling. One executable per (token bucket, sequence bucket); the KV cache is donated."""
+
+from __future__ import annotations
+
+import concurrent.futures
+import dataclasses
+import logging
+import os
+import queue
+import sys
+import threading
+import time
+from collections.abc import Callable
+from pathlib import Path
+
+import jax
+import numpy as np
+from flax import nnx
+from jax.sharding import NamedSharding
+
+from pallas_kernels.array_types import Array, Int
+from qwen_jax.attention import AttentionMetadata
+from qwen_jax.sharding import replicated
+from serving.executor.model_inputs import ModelInputs
+from serving.executor.transfer import pack, packed_size, unpack
+from serving.sample.sampler import (
+    SamplerOutput,
+    SamplingArrays,
+    TokenLogprobs,
+    build_sampling_arrays,
+    sample,
+    token_logprobs,
+    uses_penalty_rows,
+)
+from serving.structured_output.grammar import TokenMask, inactive_mask
+
+logger = logging.getLogger(__name__)
+
+
+@jax.tree_util.register_dataclass
+@dataclasses.dataclass(frozen=True)
+class StepInputs:
+    """The jitted step's argument: one padded batch as the model reads it. Host numpy
+    arrays until the step (or the multi-host broadcast) moves them to the devices."""
+
+    token_ids: Int[Array | np.ndarray, " T"]
+    positions: Int[Array | np.ndarray, " T"]
+    logits_index: Int[Array | np.ndarray, " S"]  # flat index of each sequence's last token
+    attention: AttentionMetadata
+    # Overlapped loop: the row of the previous step's sampled tokens that token t is
+    # (read on the device, never by the host); -1: token_ids[t] holds it.
+    prev_index: Int[Array | np.ndarray, " T"]
+
+    @classmethod
+    def from_batch(cls, batch: ModelInputs) -> StepInputs:
+        return cls(token_ids=batch.token_ids, positions=batch.positions,
+                   logits_index=batch.logits_index, prev_index=batch.prev_index,
+                   attention=AttentionMetadata(
+                       slot_mapping=batch.slot_mapping, query_start=batch.query_start,
+                       kv_lens=batch.kv_lens, page_table=batch.page_table,
+                       num_seqs=batch.num_seqs))
+
+    @property
+    def bucket(self) -> tuple[int, int]:
+        """(T, S): the compiled step this batch runs."""
+        return self.token_ids.shape[0], self.logits_index.shape[0]
+
+
+def default_compilation_cache_dir() -> str:
+    base = os.environ.get("XDG_CACHE_HOME") or os.path.join(os.path.expanduser("~"), ".cache")
+    return os.path.join(base, "qwen-jax", "jax-compilation-cache")
+
+
+def enable_compilation_cache(directory: str | None) -> None:
+    """Persistent XLA cache: a restart reuses compiled buckets (0.55 s -> 0.03 s each)."""
+    if not directory:
+        return
+    Path(directory).mkdir(parents=True, exist_ok=True)
+    jax.config.update("jax_compilation_cache_dir", directory)
+    jax.config.update("jax_persistent_cache_min_compile_time_secs", 0)
+    jax.config.update("jax_persistent_cache_min_entry_size_bytes", 0)
+
+
+class PendingStep:
+    """A dispatched step: its outputs stay on the device until `result()` reads them.
+    `next_tokens` (i32[max_num_seqs], the sampled ids padded) feeds the following step.
+    `launched`: the step's call, done or (dispatch thread) still under way; its value is
+    (SamplerOutput, next_tokens), whose copy back to the host has been started."""
+
+    def __init__(self, launched: concurrent.futures.Future, want_logprobs: bool):
+        self._launched = launched
+        self._want_logprobs = want_logprobs
+        self._host: SamplerOutput | None = None
+
+    @property
+    def next_tokens(self) -> jax.Array:
+        return self._launched.result()[1]
+
+    def result(self) -> SamplerOutput:
+        """The sampled ids (and logprobs, when a row asked for them) as host arrays: one
+        fetch, which waits for the step to finish (and raises what its call raised)."""
+        if self._host is None:
+            out = self._launched.result()[0]
+            if self._want_logprobs:
+                self._host = jax.device_get(out)
+            else:
+                self._host = SamplerOutput(token_ids=np.asarray(out.token_ids), logprobs=None)
+        return self._host
+
+
+class DispatchThread:
+    """One thread that makes every device call of a runner, in the order submitted.
+
+    On a GPU the call of a step does not return at once: XLA runs each `lax.cond` of the
+    step (the sampler's branches) by copying its predicate to the host and blocking the
+    calling thread until the device has done everything before it (its ConditionalThunk;
+    conditionals are not in XLA's default CUDA-graph command types). Called from the
+    engine's thread, the step's call would hold that thread for about the whole forward
+    pass, and the host work meant to overlap it (the step before's outputs, the next
+    schedule) would wait. Here the call blocks this thread instead; JAX releases the GIL
+    while it waits.
+
+    The thread needs the GIL again to return from one call and make the next, while the
+    engine's thread runs Python for up to a few milliseconds a step: the interpreter's
+    switch interval (5 ms by default) is lowered to SWITCH_INTERVAL_S, so that the next
+    step's call waits at most that long for it."""
+
+    SWITCH_INTERVAL_S = 5e-4
+
+    def __init__(self, name: str = "qwen-jax-dispatch"):
+        if sys.getswitchinterval() > self.SWITCH_INTERVAL_S:
+            sys.setswitchinterval(self.SWITCH_INTERVAL_S)
+        self._jobs: queue.SimpleQueue = queue.SimpleQueue()
+        self._thread = threading.Thread(target=self._run, name=name, daemon=True)
+        self._thread.start()
+
+    def submit(self, fn: Callable[[], object]) -> concurrent.futures.Future:
+        future: concurrent.futures.Future = concurrent.futures.Future()
+        self._jobs.put((fn, future))
+        return future
+
+    def call(self, fn: Callable[[], object]):
+        """fn() on this thread, after every call submitted before it; waits for it."""
+        return self.submit(fn).result()
+
+    def close(self) -> None:
+        self._jobs.put(None)
+        self._thread.join(timeout=10)
+
+    def _run(self) -> None:
+        while (job := self._jobs.get()) is not None:
+            fn, future = job
+            try:
+                future.set_result(fn())
+            except BaseException as exc:  # the caller's result() raises it
+                future.set_exception(exc)
+
+
+def _done(fn: Callable[[], object]) -> concurrent.futures.Future:
+    """fn() run now, as a finished future (what the dispatch thread's submit returns)."""
+    future: concurrent.futures.Future = concurrent.futures.Future()
+    future.set_result(fn())
+    return future
+
+
+class ModelRunner:
+    """Owns the params, the KV cache and the compiled steps."""
+
+    def __init__(self, model, kv_caches, *, max_model_len: int, pages_per_seq: int, mesh=None,
+                 max_num_seqs: int = 256, dispatch_thread: bool | None = None):
+        """max_num_seqs: the largest sequence bucket (the width of `next_tokens`).
+        dispatch_thread: device calls from a `DispatchThread` (None: unless the devices
+        are CPUs, whose calls return at once)."""
+        self.graphdef, self.state = nnx.split(model)
+        self.kv_caches = kv_caches
+        self.max_model_len = max_model_len
+        self.pages_per_seq = pages_per_seq
+        self.max_num_seqs = max_num_seqs
+        self.vocab_size = model.config.vocab_size
+        self._executables: dict[tuple[int, int], jax.stages.Compiled] = {}  # (T, S) -> step
+        self._scorers: dict[int, Callable] = {}  # padded prompt length -> jitted scorer
+        # Device-resident defaults, never sent: per S the inactive grammar mask and the
+        # no-penalty token array; one zero `next_tokens` for a step with no step before.
+        self._inactive_masks: dict[int, TokenMask] = {}
+        self._no_penalties: dict[int, jax.Array] = {}
+        self._no_prev_tokens: jax.Array | None = None
+        # Under a mesh the host inputs go to every device (replicated) and the caches keep
+        # their kv-head shards across steps.
+        self._inputs_sharding: NamedSharding | None = None if mesh is None else replicated(mesh)
+        cache_shardings = None if mesh is None else jax.tree.map(lambda x: x.sharding, kv_caches)
+        self._step = jax.jit(self._step_impl, donate_argnums=(1,), static_argnums=(6,),
+                             out_shardings=None if mesh is None else (cache_shardings,
+                                                                      replicated(mesh)))
+        self._dispatch_thread: DispatchThread | None = None
+        if dispatch_thread is None:
+            devices = jax.devices() if mesh is None else mesh.devices.flat
+            dispatch_thread = any(d.platform != "cpu" for d in devices)
+        self.dispatch_thread = dispatch_thread
+
+    @property
+    def num_compiles(self) -> int:
+        """Executables built so far: one per (T, S) bucket (all at start-up), plus one per
+        power-of-two prompt length the first time a request asks for prompt_logprobs."""
+        return len(self._executables) + len(self._scorers)
+
+    def _step_impl(self, state, kv_caches, words, penalty_tokens, token_mask, prev_tokens,
+                   bucket: tuple[int, int]):
+        """words: the step's small inputs packed (serving/executor/transfer.py); penalty_tokens and
+        token_mask travel apart (large, and device-resident when unused); prev_tokens:
+        the previous step's `next_tokens`, read where inputs.prev_index >= 0."""
+        inputs, sampling = unpack(words, self._packed_template(bucket))
+        sampling = dataclasses.replace(sampling, penalty_tokens=penalty_tokens,
+                                       token_mask=token_mask)
+        from_prev = prev_tokens[jax.numpy.maximum(inputs.prev_index, 0)]
+        token_ids = jax.numpy.where(inputs.prev_index >= 0, from_prev, inputs.token_ids)
+        # A row with a token in flight decodes it: its last input is that token.
+        sampling = dataclasses.replace(sampling,
+                                       pending_tokens=token_ids[inputs.logits_index])
+        model = nnx.merge(self.graphdef, state)
+        hidden, kv_caches = model.forward(token_ids, inputs.positions, kv_caches,
+                                          inputs.attention)
+        logits = model.compute_logits(hidden[inputs.logits_index])  # [S, V] f32
+        out = sample(logits, sampling)
+        next_tokens = jax.numpy.zeros(self.max_num_seqs, jax.numpy.int32).at[
+            :bucket[1]].set(out.token_ids)
+        return kv_caches, (out, next_tokens)
+
+    def _packed_template(self, bucket: tuple[int, int]):
+        """Shapes and dtypes of what `dispatch` packs for a (T, S) bucket."""
+        t, s = bucket
+        host = (StepInputs.from_batch(padding_inputs(t, s, self.pages_per_seq)),
+                _small(padding_sampling(s, self.max_model_len, self.vocab_size)))
+        return jax.tree.map(lambda x: jax.ShapeDtypeStruct(np.shape(x), np.asarray(x).dtype),
+                            host)
+
+    def execute(self, inputs: StepInputs, sampling: SamplingArrays) -> SamplerOutput:
+        """Run one step and wait for it: its sampled tokens and logprobs as host arrays."""
+        return self.dispatch(inputs, sampling).result()
+
+    def dispatch(self, inputs: StepInputs, sampling: SamplingArrays,
+                 prev: PendingStep | None = None) -> PendingStep:
+        """Start one step and return at once. Host to device: one packed int32 buffer,
+        plus the penalty tokens / grammar mask only when some row uses them (otherwise
+        device-resident defaults). `prev`: the step whose sampled tokens rows with
+        inputs.prev_index >= 0 take as input."""
+        num_seqs = inputs.bucket[1]
+        words = pack((inputs, _small(sampling)))
+        mask = sampling.token_mask
+        mask_arg = (mask if mask is not None and mask.active
+                    else self._resident(self._inactive_masks, num_seqs, lambda: inactive_mask(
+                        num_seqs, self.vocab_size)))
+        penalties = (sampling.penalty_tokens if uses_penalty_rows(sampling)
+                     else self._resident(self._no_penalties, num_seqs, lambda: padding_sampling(
+                         num_seqs, self.max_model_len, self.vocab_size).penalty_tokens))
+        args = [words, penalties, mask_arg]
+        if self._inputs_sharding is not None:  # host leaves -> replicated global arrays
+            args = [jax.tree.map(lambda x: x if isinstance(x, jax.Array) else self._replicate(x),
+                                 a) for a in args]
+        want_logprobs = bool(sampling.want_logprobs)
+
+        def launch():
+            prev_tokens = prev.next_tokens if prev is not None else self._zero_prev_tokens()
+            step = self._executables.get(inputs.bucket) or self._compile([inputs.bucket])[0]
+            self.kv_caches, (out, next_tokens) = step(self.state, self.kv_caches, *args,
+                                                      prev_tokens)
+            for leaf in jax.tree.leaves(out if want_logprobs else out.token_ids):
+                leaf.copy_to_host_async()  # the copy back starts as soon as it is ready
+            return out, next_tokens
+
+        thread = self._dispatch_thread
+        return PendingStep(_done(launch) if thread is None else thread.submit(launch),
+                           want_logprobs)
+
+    @property
+    def dispatch_thread(self) -> bool:
+        """Whether device calls go through a `DispatchThread` (by default: off the CPU)."""
+        return self._dispatch_thread is not None
+
+    @dispatch_thread.setter
+    def dispatch_thread(self, on: bool) -> None:
+        if on and self._dispatch_thread is None:
+            self._dispatch_thread = DispatchThread()
+        elif not on and self._dispatch_thread is not None:
+            thread = self._dispatch_thread
+            self._dispatch_thread = None
+            thread.close()  # after the calls already submitted
+
+    def _on_device_thread(self, fn: Callable[[], object]):
+        """fn() after every step dispatched before it (it reads or replaces the caches)."""
+        thread = self._dispatch_thread
+        return fn() if thread is None else thread.call(fn)
+
+    def _resident(self, cache: dict, num_seqs: int, make):
+        if num_seqs not in cache:
+            cache[num_seqs] = jax.tree.map(
+                self._replicate if self._inputs_sharding is not None else jax.device_put,
+                make())
+        return cache[num_seqs]
+
+    def _zero_prev_tokens(self) -> jax.Array:
+        if self._no_prev_tokens is None:
+            zeros = np.zeros(self.max_num_seqs, np.int32)
+            self._no_prev_tokens = (self._replicate(zeros) if self._inputs_sharding is not None
+                                    else jax.device_put(zeros))
+        return self._no_prev_tokens
+
+    def copy_pages_to_host(self, store, device_pages, host_pages) -> None:
+        """Swap out: `store` (serving/host_kv.HostKVStore) keeps the pages' KV."""
+        self._on_device_thread(lambda: store.save(self.kv_caches, list(device_pages),
+                                                  list(host_pages)))
+
+    def copy_pages_from_host(self, store, host_pages, device_pages) -> None:
+        """Swap in: the stored pages' KV lands in `device_pages` (the cache is donated)."""
+        def load():
+            self.kv_caches = store.load(self.kv_caches, list(host_pages), list(device_pages))
+        self._on_device_thread(load)
+
+    def _replicate(self, host: np.ndarray) -> jax.Array:
+        """Host array -> global replicated array (under a mesh); works across processes too,
+        where each process holds the same (broadcast) values."""
+        if self._inputs_sharding is None:
+            raise ValueError("replicating inputs needs a mesh")
+        host = np.asarray(host)
+        return jax.make_array_from_callback(host.shape, self._inputs_sharding,
+                                            lambda index: host[index])
+
+    def score_prompt(self, token_ids: list[int]) -> TokenLogprobs:
+        """Logprobs of each prompt token given its prefix (vLLM's prompt_logprobs), from a
+        full-sequence forward padded to a power of two (compiled once per length bucket).
+        Returns host arrays with a row for each of positions 1..n-1."""
+        num = len(token_ids)
+        padded = max(16, 1 << (num - 1).bit_length())
+        ids = np.zeros((1, padded), np.int32)
+        ids[0, :num] = token_ids
+        if padded not in self._scorers:
+            self._scorers[padded] = jax.jit(self._score_impl)
+        out = self._scorers[padded](self.state, ids)
+        return jax.tree.map(lambda v: np.asarray(v)[:num - 1], jax.device_get(out))
+
+    def _score_impl(self, state, ids) -> TokenLogprobs:
+        model = nnx.merge(self.graphdef, state)
+        logprobs = jax.nn.log_softmax(model(ids)[0, :-1], axis=-1)  # [T-1, V] f32
+        return token_logprobs(logprobs, ids[0, 1:])
+
+    def _abstract_args(self, bucket):
+        """The step's arguments after state and caches, as ShapeDtypeStructs."""
+        _, s = bucket
+        sampling = padding_sampling(s, self.max_model_len, self.vocab_size)
+        host = (np.zeros(packed_size(self._packed_template(bucket)), np.int32),
+                sampling.penalty_tokens, sampling.token_mask,
+                np.zeros(self.max_num_seqs, np.int32))
+        return (*jax.tree.map(lambda x: jax.ShapeDtypeStruct(
+            np.shape(x), np.asarray(x).dtype, sharding=self._inputs_sharding), host), bucket)
+
+    def _compile(self, buckets, progress: bool = False, on_compiled=None):
+        """Trace and lower each bucket's step (Python, serial), then compile them on a
+        thread pool: XLA compiles in C++ without the GIL, so buckets build in parallel.
+        on_compiled(bucket, executable, seconds) is called as each one is ready."""
+        from tqdm import tqdm
+        lowered = [self._step.lower(self.state, self.kv_caches, *self._abstract_args(b))
+                   for b in buckets]
+
+        def compile_one(bucket, low):
+            start = time.perf_counter()
+            executable = low.compile()
+            if on_compiled is not None:
+                on_compiled(bucket, executable, time.perf_counter() - start)
+            return executable
+
+        workers = max(1, min(len(buckets), os.cpu_count() or 1))
+        with concurrent.futures.ThreadPoolExecutor(workers) as pool:
+            compiled = list(tqdm(pool.map(compile_one, buckets, lowered), total=len(buckets),
+                                 desc="compiling buckets", unit="bucket", disable=not progress))
+        self._executables.update(zip(buckets, compiled))
+        return compiled
+
+    def precompile(self, pairs, progress: bool = True, on_compiled=None) -> float:
+        """Compile every (T, S) bucket up front, so serving never compiles."""
+        start = time.perf_counter()
+        self._compile([tuple(p) for p in pairs], progress, on_compiled)
+        return time.perf_counter() - start
+
+
+def padding_inputs(num_tokens: int, num_seqs: int, pages_per_seq: int) -> ModelInputs:
+    """A batch with no real token: everything writes to the scratch page."""
+    zeros = lambda *shape: np.zeros(shape, np.int32)
+    return ModelInputs(token_ids=zeros(num_tokens), positions=zeros(num_tokens),
+                       slot_mapping=zeros(num_tokens), query_start=zeros(num_seqs + 1),
+                       kv_lens=zeros(num_seqs), page_table=zeros(num_seqs, pages_per_seq),
+                       logits_index=zeros(num_seqs), num_seqs=np.array(0, np.int32),
+                       num_tokens=0, prev_index=np.full(num_tokens, -1, np.int32))
+
+
+def _small(sampling: SamplingArrays) -> SamplingArrays:
+    """The sampling arrays that travel packed: all but penalty tokens and grammar mask
+    (None here: no leaves; the step puts its own back before sampling)."""
+    return dataclasses.replace(sampling, penalty_tokens=None,  # type: ignore[arg-type]
+                               token_mask=None)
+
+
+def padding_sampling(num_seqs: int, max_model_len: int, vocab_size: int) -> SamplingArrays:
+    return build_sampling_arrays([], num_seqs, max_model_len, vocab_size)
