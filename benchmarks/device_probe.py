@@ -167,8 +167,8 @@ def stage_engine(emit, args, arm):
     """Load, compile (a line per bucket as it is ready), then the offline runs."""
     import jax
 
+    from serving.engine.config import engine_config_from_kwargs
     from serving.engine.llm_engine import LLMEngine
-    from serving.entrypoints.llm import engine_config_from_kwargs
     from serving.executor import step_lowering as step_hlo
 
     kwargs = engine_kwargs(args)

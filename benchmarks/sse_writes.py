@@ -71,9 +71,9 @@ async def client(url: str, num: int, max_tokens: int) -> None:
 def cell(args, num_seqs: int, device_ms: float) -> dict:
     from aiohttp import web
 
-    from serving.core.config import ServerConfig
     from serving.engine.process import MPAsyncLLM
     from serving.entrypoints.openai.api_server import build_app
+    from serving.entrypoints.openai.config import ServerConfig
     pages = 1 + num_seqs * -(-(96 + args.max_tokens) // 16)
     llm = MPAsyncLLM(args.model, engine_hook=("benchmarks.serve_processes", "install_fake_device",
                                               (device_ms,)),

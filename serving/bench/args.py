@@ -1,9 +1,12 @@
-"""Arguments of `qwen-jax bench serve | throughput` (vLLM's names). argparse only, so
-`--help` stays fast."""
+"""Arguments of `qwen-jax bench serve | throughput` (vLLM's names) and `qwen-jax eval`. No
+jax, so `--help` stays fast."""
 
 from __future__ import annotations
 
 import argparse
+
+from qwen_jax.options import QUANTIZATION_METHODS
+from qwen_jax.tasks import ALL_TASKS
 
 
 def _rate(text: str) -> float:
@@ -74,3 +77,25 @@ def add_throughput_args(p: argparse.ArgumentParser) -> None:
     p.add_argument("--output-len", type=int, default=128)
     p.add_argument("--output-json", default=None)
     p.add_argument("--no-progress", action="store_false", dest="progress")
+
+
+EVAL_DESCRIPTION = "Exact-match accuracy on held-out generated tasks"
+
+
+def add_eval_args(ap: argparse.ArgumentParser) -> None:
+    ap.add_argument("--n", type=int, default=500, help="problems per task")
+    ap.add_argument("--model", default=None, 
+                    help="checkpoint directory (default: the embedded tiny model)")
+    ap.add_argument("--seed", type=int, default=0)
+    ap.add_argument("--tasks", default=",".join(ALL_TASKS))
+    ap.add_argument("--one-at-a-time", action="store_true", help="one request per generate()")
+    ap.add_argument("--passes", type=int, default=1,
+                    help="evaluate N times on one engine (with prefix caching, later passes "
+                         "hit the cache); prints each pass")
+    for name in ("max-num-seqs", "max-num-batched-tokens", "max-model-len", "block-size",
+                 "num-gpu-blocks-override"):
+        ap.add_argument(f"--{name}", type=int, default=None)
+    ap.add_argument("--enable-prefix-caching", action=argparse.BooleanOptionalAction, default=None)
+    ap.add_argument("--quantization", default=None, choices=QUANTIZATION_METHODS,
+                    help="fp8 | int8: quantise the model at load (fp8 / AWQ checkpoints load "
+                         "quantised without it)")

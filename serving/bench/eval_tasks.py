@@ -23,12 +23,10 @@ from collections.abc import Sequence
 from pathlib import Path
 
 from qwen_jax import tasks
-from qwen_jax.options import QUANTIZATION_METHODS
 from qwen_jax.tokenizer import compile_chat_template, normalize_messages
 from qwen_jax.tool_task import MAX_TOOL_TOKENS, TOOLS, ToolProblem
 from qwen_jax.weights import DEFAULT_MODEL_DIR
 from serving.core.request import SamplingParams
-from serving.entrypoints.llm import LLM
 from serving.parsers.reasoning import Qwen3ReasoningParser
 from serving.parsers.tool_parsers import HermesToolParser
 
@@ -149,29 +147,14 @@ def _engine_kwargs(args) -> dict:
     return kwargs
 
 
-def main(argv=None) -> None:
-    ap = argparse.ArgumentParser(description="Exact-match accuracy on held-out generated tasks")
-    ap.add_argument("--n", type=int, default=500, help="problems per task")
-    ap.add_argument("--model", default=str(TINY_MODEL))
-    ap.add_argument("--seed", type=int, default=0)
-    ap.add_argument("--tasks", default=",".join(tasks.ALL_TASKS))
-    ap.add_argument("--one-at-a-time", action="store_true", help="one request per generate()")
-    ap.add_argument("--passes", type=int, default=1,
-                    help="evaluate N times on one engine (with prefix caching, later passes "
-                         "hit the cache); prints each pass")
-    for name in ("max-num-seqs", "max-num-batched-tokens", "max-model-len", "block-size",
-                 "num-gpu-blocks-override"):
-        ap.add_argument(f"--{name}", type=int, default=None)
-    ap.add_argument("--enable-prefix-caching", action=argparse.BooleanOptionalAction, default=None)
-    ap.add_argument("--quantization", default=None, choices=QUANTIZATION_METHODS,
-                    help="fp8 | int8: quantise the model at load (fp8 / AWQ checkpoints load "
-                         "quantised without it)")
-    args = ap.parse_args(argv)
-    llm = LLM(model=args.model, **_engine_kwargs(args))
+def run_eval(args) -> int:
     if args.passes < 1:
-        ap.error(f"--passes must be at least 1, got {args.passes}")
+        raise SystemExit(f"error: --passes must be at least 1, got {args.passes}")
+    from serving.entrypoints.llm import LLM  # jax and the model: not for --help
+    model = args.model or str(TINY_MODEL)
+    llm = LLM(model=model, **_engine_kwargs(args))
     for number in range(args.passes):
-        results = evaluate(llm, args.n, args.seed, model_path=args.model,
+        results = evaluate(llm, args.n, args.seed, model_path=model,
                            task_names=tuple(args.tasks.split(",")),
                            one_at_a_time=args.one_at_a_time)
         if args.passes > 1:
@@ -180,7 +163,15 @@ def main(argv=None) -> None:
     stats = llm.stats()
     print(f"# engine: preemptions={stats['num_preemptions']} "
           f"prefix_cache_hit_rate={stats['prefix_cache_hit_rate']:.3f}", file=sys.stderr)
+    return 0
+
+
+def main(argv=None) -> int:
+    from serving.bench.args import EVAL_DESCRIPTION, add_eval_args
+    ap = argparse.ArgumentParser(description=EVAL_DESCRIPTION)
+    add_eval_args(ap)
+    return run_eval(ap.parse_args(argv))
 
 
 if __name__ == "__main__":
-    main()
+    sys.exit(main())

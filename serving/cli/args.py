@@ -5,7 +5,7 @@ from __future__ import annotations
 import argparse
 
 from qwen_jax.options import KV_CACHE_DTYPES, LOAD_FORMATS, PARAM_DTYPES, QUANTIZATION_METHODS
-from serving.core.policies import POLICIES
+from serving.core.config import POLICIES
 
 
 def _int_list(text: str) -> list[int]:
@@ -35,8 +35,7 @@ def add_engine_args(parser: argparse.ArgumentParser) -> None:
                    help="default: the model's max_position_embeddings, at most 4096")
     g.add_argument("--block-size", type=int, default=16)
     g.add_argument("--num-gpu-blocks-override", type=int, default=None)
-    g.add_argument("--gpu-memory-utilization", "--kv-cache-fraction", type=float, default=0.9,
-                   dest="gpu_memory_utilization")
+    g.add_argument("--gpu-memory-utilization", type=float, default=0.9)
     g.add_argument("--kv-cache-dtype", default="auto", choices=tuple(KV_CACHE_DTYPES))
     g.add_argument("--enable-prefix-caching", action=argparse.BooleanOptionalAction, default=True)
     g.add_argument("--max-waiting", type=int, default=None,

@@ -1,4 +1,4 @@
-"""`qwen-jax serve | generate | bench | convert`.
+"""`qwen-jax serve | generate | bench | eval | convert | plan`.
 
 Each subcommand is a pair: `_add_<name>(subparsers)` declares its arguments and sets
 `func` to `_run_<name>(args) -> int`. To add one, write the pair and append the adder to
@@ -249,7 +249,21 @@ def _run_plan(args) -> int:
 
 
 # ---- dispatch --------------------------------------------------------------------------
-SUBCOMMANDS = (_add_convert, _add_generate, _add_bench, _add_serve, _add_plan)
+# ---- eval ------------------------------------------------------------------------------
+def _add_eval(subparsers) -> None:
+    from serving.bench.args import EVAL_DESCRIPTION, add_eval_args
+    p = subparsers.add_parser("eval", help="accuracy of a model on the tiny model's tasks",
+                              description=EVAL_DESCRIPTION)
+    add_eval_args(p)
+    p.set_defaults(func=_run_eval)
+
+
+def _run_eval(args) -> int:
+    from serving.bench.eval_tasks import run_eval
+    return run_eval(args)
+
+
+SUBCOMMANDS = (_add_convert, _add_generate, _add_bench, _add_eval, _add_serve, _add_plan)
 
 
 def build_parser() -> argparse.ArgumentParser:
@@ -270,25 +284,17 @@ def main(argv: list[str] | None = None) -> int:
     args = build_parser().parse_args(argv)
     if getattr(args, "coordinator_address", None) is None:
         return args.func(args)
-    from serving.executor import distributed
-    distributed.initialize(args.coordinator_address, args.num_processes, args.process_id)
-    if not distributed.is_leader():
-        return _run_follower(args)
-    try:
-        return args.func(args)
-    finally:
-        distributed.publish_stop()
+    from serving.engine.multihost import run_multihost
+    return run_multihost(lambda: args.func(args), lambda: _engine(args),
+                         coordinator_address=args.coordinator_address,
+                         num_processes=args.num_processes, process_id=args.process_id)
 
 
-def _run_follower(args) -> int:
+def _engine(args):
     from serving.cli.args import engine_kwargs
+    from serving.engine.config import engine_config_from_kwargs
     from serving.engine.llm_engine import LLMEngine
-    from serving.entrypoints.llm import engine_config_from_kwargs
-    from serving.executor import distributed
-    engine = LLMEngine(engine_config_from_kwargs(args.model, **engine_kwargs(args)))
-    steps = distributed.follower_loop(engine)
-    print(f"process {args.process_id}: followed {steps} steps; leader stopped")
-    return 0
+    return LLMEngine(engine_config_from_kwargs(args.model, **engine_kwargs(args)))
 
 
 if __name__ == "__main__":

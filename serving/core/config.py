@@ -1,4 +1,5 @@
-"""Engine and server configs: frozen, keyword-only, validated on construction. Pure Python."""
+"""The cache and scheduler configs: frozen, keyword-only, validated on construction. Pure
+Python."""
 
 from __future__ import annotations
 
@@ -8,11 +9,9 @@ import functools
 from qwen_jax.options import KV_CACHE_DTYPES
 from qwen_jax.validation import require
 from serving.core.buckets import MIN_SEQ_BUCKET, make_buckets, make_token_buckets
-from serving.core.policies import LENGTH_AWARE, POLICIES
-from serving.parsers.reasoning import reasoning_parser_class
-from serving.parsers.tool_parsers import tool_parser_class
 
-METRICS_PREFIXES = ("qwen_jax", "vllm")  # vllm: vLLM's metric names, for its dashboards
+LENGTH_AWARE = "length-aware"
+POLICIES = ("fcfs", "priority", LENGTH_AWARE)  # the waiting queue's orders (policies.py)
 
 
 def _normalise_buckets(name: str, buckets, limit_name: str, limit: int) -> tuple[int, ...] | None:
@@ -169,42 +168,3 @@ class SchedulerConfig:
     def pages_per_seq(self, page_size: int) -> int:
         """Static page-table width: enough pages for max_model_len tokens."""
         return -(-self.resolved_max_model_len // page_size)
-
-
-@dataclasses.dataclass(frozen=True, kw_only=True)
-class ServerConfig:
-    """`qwen-jax serve`'s HTTP options (the engine's are EngineConfig's)."""
-
-    host: str = "127.0.0.1"
-    port: int = 8000
-    api_key: str | None = None
-    served_model_name: str | None = None
-    max_request_body_mb: float = 8.0
-    shutdown_timeout: float = 30.0  # seconds in-flight requests get to finish on SIGTERM
-    log_interval: float = 10.0  # seconds between throughput lines; 0 disables
-    retry_after: int = 1  # seconds, sent with 503 when the waiting queue is full
-    reasoning_parser: str | None = None  # e.g. "qwen3": chat replies split out reasoning_content
-    tool_call_parser: str | None = None  # e.g. "hermes": tool calls parsed out of chat replies
-    enable_auto_tool_choice: bool = False  # tool_choice "auto" (needs tool_call_parser)
-    chat_template: str | None = None  # a file (or the template itself) replacing the model's
-    default_chat_template_kwargs: dict = dataclasses.field(default_factory=dict)
-    allowed_origins: tuple[str, ...] = ()  # CORS: origins browsers may call from; "*" any
-    metrics_prefix: str = "qwen_jax"
-
-    def __post_init__(self) -> None:
-        require(0 <= self.port <= 65535, "port", self.port, "in [0, 65535]")
-        require(self.max_request_body_mb > 0, "max_request_body_mb", self.max_request_body_mb,
-                "> 0")
-        require(self.shutdown_timeout >= 0, "shutdown_timeout", self.shutdown_timeout, ">= 0")
-        require(self.metrics_prefix in METRICS_PREFIXES, "metrics_prefix", self.metrics_prefix,
-                f"one of {', '.join(METRICS_PREFIXES)}")
-        object.__setattr__(self, "allowed_origins", tuple(self.allowed_origins))
-        if self.reasoning_parser is not None:
-            reasoning_parser_class(self.reasoning_parser)
-        if self.tool_call_parser is not None:
-            tool_parser_class(self.tool_call_parser)
-        require(self.tool_call_parser is not None or not self.enable_auto_tool_choice,
-                "tool_call_parser", self.tool_call_parser, "set with enable_auto_tool_choice")
-        require(isinstance(self.default_chat_template_kwargs, dict),
-                "default_chat_template_kwargs", self.default_chat_template_kwargs,
-                "a JSON object")

@@ -31,12 +31,11 @@ import bisect
 import collections
 from collections.abc import Iterator
 
+from serving.core.config import LENGTH_AWARE
 from serving.core.request import Request
 
 SHORT, MEDIUM, LONG = 0, 1, 2
 BUCKET_NAMES = ("short", "medium", "long")
-LENGTH_AWARE = "length-aware"
-POLICIES = ("fcfs", "priority", LENGTH_AWARE)
 
 
 def length_bucket(num_prompt_tokens: int, bounds: tuple[int, ...]) -> int:

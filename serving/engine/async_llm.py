@@ -25,30 +25,11 @@ from collections.abc import AsyncIterator, Callable
 from typing import Any
 
 from serving.core.request import RequestMetrics, RequestOutput, RequestOutputKind, SamplingParams
-from serving.engine.config import EngineConfig
+from serving.engine.config import one_replica_config
+from serving.engine.exceptions import EngineDeadError, RequestFailedError
 from serving.engine.llm_engine import LLMEngine
-from serving.entrypoints.llm import engine_config_from_kwargs
 
 logger = logging.getLogger(__name__)
-
-
-class EngineDeadError(RuntimeError):
-    """The engine loop stopped after a failed step; nothing more will run."""
-
-
-class RequestFailedError(RuntimeError):
-    """The engine failed this one request; it goes on serving the others."""
-
-
-def one_replica_config(model: str | None, **kwargs) -> EngineConfig:
-    """The EngineConfig of an async engine's keyword arguments: one replica (a server runs
-    one; data parallelism is several servers behind a load balancer)."""
-    config = engine_config_from_kwargs(model, **kwargs)
-    if config.parallel.data_parallel_size > 1:
-        raise ValueError(
-            f"data_parallel_size={config.parallel.data_parallel_size}: a server runs "
-            "one replica; start one per replica and put a load balancer in front")
-    return config
 
 
 class RequestStream:

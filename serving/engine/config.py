@@ -1,8 +1,10 @@
-"""EngineConfig: the model, cache, scheduler and parallel configs of one engine."""
+"""EngineConfig: the model, cache, scheduler and parallel configs of one engine, and how
+vLLM-style flat keyword arguments become one."""
 
 from __future__ import annotations
 
 import dataclasses
+from typing import Any
 
 import pallas_kernels
 from qwen_jax.options import LOAD_FORMATS, PARAM_DTYPES, QUANTIZATION_METHODS
@@ -44,3 +46,43 @@ class EngineConfig:
                 f"one of {LOAD_FORMATS}")
         require(self.quantization in (None, *QUANTIZATION_METHODS), "quantization",
                 self.quantization, f"one of {QUANTIZATION_METHODS}, or None (the checkpoint's)")
+
+
+_CACHE_FIELDS = {f.name for f in dataclasses.fields(CacheConfig)}
+_SCHED_FIELDS = {f.name for f in dataclasses.fields(SchedulerConfig)}
+_PARALLEL_FIELDS = {f.name for f in dataclasses.fields(ParallelConfig)}
+_ENGINE_FIELDS = ({f.name for f in dataclasses.fields(EngineConfig)}
+                  - {"cache", "scheduler", "parallel"})
+
+
+def engine_config_from_kwargs(model=None, **kwargs) -> EngineConfig:
+    """vLLM-style flat keyword arguments -> EngineConfig (unknown names are an error)."""
+    groups: dict[str, dict[str, Any]] = {"cache": {}, "scheduler": {}, "parallel": {},
+                                         "engine": {}}
+    for name, value in kwargs.items():
+        if value is None and name not in ("num_gpu_blocks_override", "max_waiting"):
+            continue
+        if name in _CACHE_FIELDS:
+            groups["cache"][name] = value
+        elif name in _SCHED_FIELDS:
+            groups["scheduler"][name] = value
+        elif name in _PARALLEL_FIELDS:
+            groups["parallel"][name] = value
+        elif name in _ENGINE_FIELDS:
+            groups["engine"][name] = value
+        else:
+            raise TypeError(f"unknown engine argument {name!r}")
+    return EngineConfig(model=model, cache=CacheConfig(**groups["cache"]),
+                        scheduler=SchedulerConfig(**groups["scheduler"]),
+                        parallel=ParallelConfig(**groups["parallel"]), **groups["engine"])
+
+
+def one_replica_config(model: str | None, **kwargs) -> EngineConfig:
+    """The EngineConfig of an async engine's keyword arguments: one replica (a server runs
+    one; data parallelism is several servers behind a load balancer)."""
+    config = engine_config_from_kwargs(model, **kwargs)
+    if config.parallel.data_parallel_size > 1:
+        raise ValueError(
+            f"data_parallel_size={config.parallel.data_parallel_size}: a server runs "
+            "one replica; start one per replica and put a load balancer in front")
+    return config

@@ -43,13 +43,9 @@ from collections.abc import Callable
 from pathlib import Path
 
 from serving.core.request import CompletionOutput, RequestMetrics, RequestOutput
-from serving.engine.async_llm import (
-    EngineClient,
-    EngineDeadError,
-    RequestStream,
-    deliver_step,
-    one_replica_config,
-)
+from serving.engine.async_llm import EngineClient, RequestStream, deliver_step
+from serving.engine.config import one_replica_config
+from serving.engine.exceptions import EngineDeadError
 
 logger = logging.getLogger(__name__)
 

@@ -2,46 +2,12 @@
 
 from __future__ import annotations
 
-import dataclasses
 import itertools
 from collections.abc import Sequence
-from typing import Any
 
-from qwen_jax.sharding import ParallelConfig
-from serving.core.config import CacheConfig, SchedulerConfig
 from serving.core.request import RequestOutput, SamplingParams
-from serving.engine.config import EngineConfig
+from serving.engine.config import EngineConfig, engine_config_from_kwargs
 from serving.engine.llm_engine import LLMEngine
-
-_CACHE_FIELDS = {f.name for f in dataclasses.fields(CacheConfig)}
-_SCHED_FIELDS = {f.name for f in dataclasses.fields(SchedulerConfig)}
-_PARALLEL_FIELDS = {f.name for f in dataclasses.fields(ParallelConfig)}
-_ENGINE_FIELDS = ({f.name for f in dataclasses.fields(EngineConfig)}
-                  - {"cache", "scheduler", "parallel"})
-_ALIASES = {"kv_cache_fraction": "gpu_memory_utilization"}
-
-
-def engine_config_from_kwargs(model=None, **kwargs) -> EngineConfig:
-    """vLLM-style flat keyword arguments -> EngineConfig (unknown names are an error)."""
-    groups: dict[str, dict[str, Any]] = {"cache": {}, "scheduler": {}, "parallel": {},
-                                         "engine": {}}
-    for name, value in kwargs.items():
-        name = _ALIASES.get(name, name)
-        if value is None and name not in ("num_gpu_blocks_override", "max_waiting"):
-            continue
-        if name in _CACHE_FIELDS:
-            groups["cache"][name] = value
-        elif name in _SCHED_FIELDS:
-            groups["scheduler"][name] = value
-        elif name in _PARALLEL_FIELDS:
-            groups["parallel"][name] = value
-        elif name in _ENGINE_FIELDS:
-            groups["engine"][name] = value
-        else:
-            raise TypeError(f"unknown engine argument {name!r}")
-    return EngineConfig(model=model, cache=CacheConfig(**groups["cache"]),
-                        scheduler=SchedulerConfig(**groups["scheduler"]),
-                        parallel=ParallelConfig(**groups["parallel"]), **groups["engine"])
 
 
 def make_engines(config: EngineConfig) -> list[LLMEngine]:

@@ -22,13 +22,12 @@ from prometheus_client import CollectorRegistry, Counter, Gauge, Histogram, gene
 from prometheus_client.core import CounterMetricFamily, GaugeMetricFamily, HistogramMetricFamily
 from prometheus_client.utils import floatToGoString
 
-from serving.core.config import METRICS_PREFIXES
 from serving.core.request import RequestOutput, SamplingParams
 from serving.metrics.nvml import NvmlCollector, load_nvml
 from serving.metrics.step_cost import CostModel, DevicePeak, device_peak
 
 OWN = "qwen_jax"
-PREFIXES = METRICS_PREFIXES
+METRICS_PREFIXES = ("qwen_jax", "vllm")  # vllm: vLLM's metric names, for its dashboards
 CONTENT_TYPE = "text/plain; version=0.0.4; charset=utf-8"
 # vLLM's buckets (seconds / tokens).
 TTFT_BUCKETS = (0.001, 0.005, 0.01, 0.02, 0.04, 0.06, 0.08, 0.1, 0.25, 0.5, 0.75, 1.0, 2.5,
@@ -191,8 +190,8 @@ class Metrics:
     def __init__(self, llm, model_name: str, *, prefix: str = OWN, max_model_len: int = 4096,
                  cost_model: CostModel | None = None, peak: DevicePeak | None = None,
                  num_devices: int = 1):
-        if prefix not in PREFIXES:
-            raise ValueError(f"metrics prefix must be one of {PREFIXES}, got {prefix!r}")
+        if prefix not in METRICS_PREFIXES:
+            raise ValueError(f"metrics prefix must be one of {METRICS_PREFIXES}, got {prefix!r}")
         self.registry = CollectorRegistry()
         self.model_name = model_name
         self.cost_model, self.peak, self.num_devices = cost_model, peak, num_devices

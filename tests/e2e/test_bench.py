@@ -97,9 +97,9 @@ def test_bench_serve_unreachable_server_fails_fast(tmp_path):
 
 
 def test_bench_serve_against_the_real_server(tmp_path, tokenizer_ckpt, compile_cache):
-    from serving.core.config import ServerConfig
     from serving.engine.async_llm import AsyncLLM
     from serving.entrypoints.openai.api_server import build_app
+    from serving.entrypoints.openai.config import ServerConfig
     ckpt, _ = tokenizer_ckpt
     llm = AsyncLLM(str(ckpt), max_num_seqs=8, max_num_batched_tokens=64, max_model_len=96,
                    token_buckets=[64], seq_buckets=[8], show_progress=False,

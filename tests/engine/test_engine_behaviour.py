@@ -10,8 +10,8 @@ from qwen_jax import LLM, RequestOutputKind, SamplingParams
 from qwen_jax.options import KV_CACHE_DTYPES
 from qwen_jax.params import resolve_kv_cache_dtype
 from serving.core.config import CacheConfig
+from serving.engine.config import engine_config_from_kwargs
 from serving.engine.llm_engine import LLMEngine
-from serving.entrypoints.llm import engine_config_from_kwargs
 from tests.engine.conftest import make_prompts
 from tests.helpers.hf import hf_logits
 

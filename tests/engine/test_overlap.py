@@ -9,8 +9,8 @@ import jax.numpy as jnp
 import pytest
 
 from qwen_jax import LLM, SamplingParams
+from serving.engine.config import engine_config_from_kwargs
 from serving.engine.llm_engine import LLMEngine
-from serving.entrypoints.llm import engine_config_from_kwargs
 from serving.sample.sampler import SamplerOutput
 from tests.engine.conftest import make_prompts
 

@@ -5,8 +5,8 @@ for short ones."""
 import pytest
 
 from qwen_jax import SamplingParams
+from serving.engine.config import engine_config_from_kwargs
 from serving.engine.llm_engine import LLMEngine
-from serving.entrypoints.llm import engine_config_from_kwargs
 from tests.engine.conftest import make_prompts
 
 LONG = make_prompts([70, 60], seed=11)

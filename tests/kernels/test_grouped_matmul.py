@@ -4,6 +4,8 @@ Tolerances: fp32 1e-4 relative to the row scale (fp32 accumulation in both, diff
 order); bf16 2e-2 (both accumulate in fp32, the output is rounded to bf16).
 """
 
+import dataclasses
+
 import jax
 import jax.numpy as jnp
 import numpy as np
@@ -11,8 +13,9 @@ import pytest
 
 from kernel_cases import BF16, INTERPRET, as_float
 from pallas_kernels import grouped_matmul, grouped_matmul_reference, plan_groups
+from pallas_kernels.cuda_lowering import lower_for_cuda
 from pallas_kernels.grouped_matmul import group_ends_of
-from tests.helpers.lowering import requires_cuda_lowering
+from pallas_kernels.grouped_matmul.plan import NO_ITEM, plan_width
 
 # Sizes chosen against 16-row tiles: empty groups, groups inside one tile, a group
 # spanning several tiles, unaligned boundaries, and trailing rows past sum(sizes).
@@ -55,23 +58,22 @@ def test_tuned_blocks_on_a_moe_like_shape():
     np.testing.assert_allclose(out, expected, atol=2e-2, rtol=2e-2)
 
 
-@requires_cuda_lowering
 def test_lowers_to_triton_for_qwen_expert_shapes():
     # Qwen3-30B-A3B experts: 8k routed rows, hidden 2048, 2 x 768 gate/up; no GPU needed.
     shape = jax.ShapeDtypeStruct
     for depth, width in ((2048, 1536), (768, 2048)):
-        lowered = jax.jit(grouped_matmul).trace(
-            shape((8192, depth), jnp.bfloat16), shape((128, depth, width), jnp.bfloat16),
-            shape((128,), jnp.int32)).lower(lowering_platforms=("cuda",))
+        lowered = lower_for_cuda(
+            grouped_matmul, shape((8192, depth), jnp.bfloat16),
+            shape((128, depth, width), jnp.bfloat16), shape((128,), jnp.int32))
         assert "xla.gpu.triton" in lowered.as_text()
     # The MoE form: stacked weights of all 48 layers, rows read and stored in place.
     moe = lambda x, w, plan, rows, layer: grouped_matmul(x, w, plan=plan, layer=layer,
                                                          lhs_rows=rows)
     plan = plan_groups(jnp.zeros((128,), jnp.int32), num_rows=64, block_m=16)
-    lowered = jax.jit(moe).trace(
-        shape((8, 2048), jnp.bfloat16), shape((48, 128, 2048, 1536), jnp.bfloat16),
+    lowered = lower_for_cuda(
+        moe, shape((8, 2048), jnp.bfloat16), shape((48, 128, 2048, 1536), jnp.bfloat16),
         jax.tree.map(lambda a: shape(a.shape, a.dtype), plan), shape((64,), jnp.int32),
-        shape((), jnp.int32)).lower(lowering_platforms=("cuda",))
+        shape((), jnp.int32))
     text = lowered.as_text()
     assert "xla.gpu.triton" in text and " while" not in text and "gather" not in text
 
@@ -116,6 +118,56 @@ def test_plan_covers_every_row_for_skewed_groups(seed):
     rhs = rng.standard_normal((num_groups, 16, 16)).astype(np.float32)
     out, expected = _run(lhs, rhs, sizes, block_m=16, block_k=16, block_n=16)
     np.testing.assert_allclose(out, expected, atol=1e-4, rtol=1e-4)
+
+
+# Group counts at and around powers of two: the kernel loads the plan's G + 1 cumulated
+# counts as one power-of-two vector, which must stay inside the (padded) plan.
+BOUNDARY_GROUPS = [1, 2, 3, 63, 64, 65, 127, 128, 129, 255, 256, 257]
+
+
+@pytest.mark.parametrize("num_groups", BOUNDARY_GROUPS)
+def test_group_counts_at_power_of_two_boundaries(num_groups):
+    # 24 rows (fewer than G from 63 on, as at decode) over a few groups, one of them the
+    # last; 8 rows past the groups' end stay zero.
+    rng = np.random.default_rng(num_groups)
+    sizes = np.zeros(num_groups, np.int32)
+    picked = np.unique(np.append(rng.integers(0, num_groups, 2), num_groups - 1))
+    sizes[picked] = rng.multinomial(16, np.ones(len(picked)) / len(picked))
+    lhs = rng.standard_normal((24, 16)).astype(np.float32)
+    rhs = rng.standard_normal((num_groups, 16, 16)).astype(np.float32)
+    out, expected = _run(lhs, rhs, sizes, block_m=16, block_k=16, block_n=16)
+    np.testing.assert_allclose(out, expected, atol=1e-4, rtol=1e-4)
+    assert not np.any(out[16:])
+    plan = plan_groups(group_ends_of(jnp.asarray(sizes), 24), num_rows=24, block_m=16)
+    width = plan_width(num_groups)
+    assert plan.tiles_cum.shape == (width,) and width >= num_groups + 1
+    assert np.all(np.asarray(plan.tiles_cum[num_groups + 1:]) == NO_ITEM)
+
+
+def test_unpadded_plan_fails_to_trace_from_jax_0_12():
+    # The plan layout before the padding (G + 1 entries): the kernel's vector load runs
+    # past its end. jax 0.12 checks that bound while tracing; 0.10 and 0.11 skipped it
+    # for a start of 0, so the kernel lowered for CUDA and read past the plan on the GPU
+    # (their interpreter's slice fails instead). The padding is what keeps it inside.
+    num_groups, num_rows = 128, 24
+    lhs = jax.ShapeDtypeStruct((num_rows, 16), jnp.float32)
+    rhs = jax.ShapeDtypeStruct((num_groups, 16, 16), jnp.float32)
+    plan = plan_groups(jnp.full((num_groups,), 8, jnp.int32), num_rows=num_rows, block_m=16)
+    old = dataclasses.replace(plan, tiles_cum=plan.tiles_cum[:num_groups + 1])
+    spec = jax.tree.map(lambda a: jax.ShapeDtypeStruct(a.shape, a.dtype), old)
+    zeros = lambda a: np.zeros(a.shape, a.dtype)
+    interpret = lambda: grouped_matmul(zeros(lhs), zeros(rhs), plan=old, interpret=True)
+    if jax.__version_info__ >= (0, 12):
+        with pytest.raises(ValueError, match="Out of bound slice: start=0, size=256"):
+            lower_for_cuda(lambda x, w, p: grouped_matmul(x, w, plan=p), lhs, rhs, spec)
+        with pytest.raises(ValueError, match="Out of bound slice: start=0, size=256"):
+            interpret()
+    else:
+        text = lower_for_cuda(lambda x, w, p: grouped_matmul(x, w, plan=p), lhs, rhs,
+                              spec).as_text()
+        assert "xla.gpu.triton" in text
+        with pytest.raises(TypeError, match="limit_indices"):
+            interpret()
 
 
 def test_plan_with_different_block_m_is_refused():

@@ -30,7 +30,6 @@ from pallas_kernels.quantized import (
     quantize,
     unpack_int4,
 )
-from tests.helpers.lowering import requires_cuda_lowering
 
 FORMATS = {  # kind -> quantize() options at test shapes (several blocks per matrix)
     "fp8": dict(group_k=32, group_n=32),
@@ -186,7 +185,6 @@ QWEN_FORMATS = {"fp8": dict(group_k=128, group_n=128), "int8": {}, "int4": dict(
 STORED = {"fp8": "f8E4M3FN", "int8": "i8", "int4": "ui8"}
 
 
-@requires_cuda_lowering
 @pytest.mark.parametrize("kind", QWEN_FORMATS)
 def test_quantized_grouped_matmul_lowers_at_30b_shapes(kind):
     # Qwen3-30B-A3B's 48 layers of 128 experts, gate/up [D=2048, 2F=1536], in the MoE call
@@ -198,10 +196,10 @@ def test_quantized_grouped_matmul_lowers_at_30b_shapes(kind):
     moe = lambda x, w, plan, rows, layer: grouped_matmul(x, w, plan=plan, layer=layer,
                                                          lhs_rows=rows)
     for rows in (8, 2048):  # decode and prefill tiles
-        lowered = jax.jit(moe).trace(
-            shape((rows, 2048), jnp.bfloat16), gate_up,
+        lowered = lower_for_cuda(
+            moe, shape((rows, 2048), jnp.bfloat16), gate_up,
             jax.tree.map(lambda a: shape(a.shape, a.dtype), plan), shape((64,), jnp.int32),
-            shape((), jnp.int32)).lower(lowering_platforms=("cuda",))
+            shape((), jnp.int32))
         text = lowered.as_text()
         calls = [line for line in text.splitlines() if "xla.gpu.triton" in line]
         assert len(calls) == 1 and " while" not in text and "gather" not in text
@@ -209,14 +207,12 @@ def test_quantized_grouped_matmul_lowers_at_30b_shapes(kind):
         assert f"tensor<48x128x{values}x1536x{STORED[kind]}>" in calls[0]
 
 
-@requires_cuda_lowering
 @pytest.mark.parametrize("kind", QWEN_FORMATS)
 def test_quantized_stacked_matmul_lowers_at_30b_shapes(kind):
     shape = jax.ShapeDtypeStruct
     stacks = [_abstract((48, 2048, n), kind, **QWEN_FORMATS[kind]) for n in (4096, 512, 512)]
-    lowered = jax.jit(lambda x, ws, layer: stacked_matmul(x, ws, layer)).trace(
-        shape((8, 2048), jnp.bfloat16), stacks, shape((), jnp.int32)).lower(
-            lowering_platforms=("cuda",))
+    lowered = lower_for_cuda(lambda x, ws, layer: stacked_matmul(x, ws, layer),
+                             shape((8, 2048), jnp.bfloat16), stacks, shape((), jnp.int32))
     calls = [line for line in lowered.as_text().splitlines() if "xla.gpu.triton" in line]
     assert len(calls) == 1  # q, k and v in one launch
     values = "1024" if kind == "int4" else "2048"

@@ -18,7 +18,7 @@ from pallas_kernels import (
     ragged_paged_attention_reference,
 )
 from pallas_kernels.ragged_paged_attention import tuning
-from tests.helpers.lowering import requires_cuda_lowering
+from pallas_kernels.cuda_lowering import lower_for_cuda
 
 PAGE = 16
 # (q_len, kv_len): decodes at kv 1, a page boundary (16, 32) and one past it; a short
@@ -129,7 +129,6 @@ def test_one_plan_serves_every_call_of_a_step():
                                interpret=True)
 
 
-@requires_cuda_lowering
 @pytest.mark.parametrize("num_q_heads", [32, 64], ids=["30b-a3b", "235b-a22b"])
 @pytest.mark.parametrize("page_dtype", [jnp.bfloat16, jnp.float8_e4m3fn], ids=["bf16", "fp8"])
 def test_jits_with_traced_num_seqs_and_lowers_to_triton_for_qwen_shapes(num_q_heads,
@@ -145,8 +144,7 @@ def test_jits_with_traced_num_seqs_and_lowers_to_triton_for_qwen_shapes(num_q_he
                 f32((512, 16, 4, 128), page_dtype), f32((512, 16, 4, 128), page_dtype),
                 f32((num_seqs_max,), jnp.int32), f32((num_seqs_max, 128), jnp.int32),
                 f32((num_seqs_max + 1,), jnp.int32), f32((), jnp.int32))
-        lowered = jax.jit(lambda *a: ragged_paged_attention(*a, sm_scale=0.088, **scales)).trace(
-            *args).lower(lowering_platforms=("cuda",))
+        lowered = lower_for_cuda(ragged_paged_attention, *args, sm_scale=0.088, **scales)
         text = lowered.as_text()
         assert text.count("xla.gpu.triton(") == calls
         assert "stablehlo.while" not in text  # the plan's search compares, it does not loop

@@ -12,7 +12,7 @@ import pytest
 from kernel_cases import BF16, INTERPRET, as_float
 from pallas_kernels import stacked_matmul, stacked_matmul_reference
 from pallas_kernels.stacked_matmul import tuning
-from tests.helpers.lowering import requires_cuda_lowering
+from pallas_kernels.cuda_lowering import lower_for_cuda
 
 
 def _weights(rng, depth, widths, dtype, layers=3):
@@ -61,14 +61,13 @@ def test_decode_blocks_spread_the_columns_over_many_programs():
     assert (prefill.block_m, prefill.block_n) == (128, 128)
 
 
-@requires_cuda_lowering
 def test_lowers_to_triton_for_qwen_projection_shapes():
     shape = jax.ShapeDtypeStruct
     stacks = [shape((48, 2048, n), jnp.bfloat16) for n in (4096, 512, 512)]
     for rows in (8, 2048):
-        lowered = jax.jit(lambda x, q, k, v, layer: stacked_matmul(x, (q, k, v), layer)).trace(
-            shape((rows, 2048), jnp.bfloat16), *stacks, shape((), jnp.int32)).lower(
-                lowering_platforms=("cuda",))
+        lowered = lower_for_cuda(lambda x, q, k, v, layer: stacked_matmul(x, (q, k, v), layer),
+                                 shape((rows, 2048), jnp.bfloat16), *stacks,
+                                 shape((), jnp.int32))
         calls = [line for line in lowered.as_text().splitlines() if "xla.gpu.triton" in line]
         assert len(calls) == 1  # q, k and v in one launch
         operand_types = calls[0].rsplit(" : (", 1)[1].split(") -> ")[0]

@@ -97,8 +97,8 @@ class ServerThread:
     async def _start(self) -> None:
         from aiohttp import web
 
-        from serving.core.config import ServerConfig
         from serving.entrypoints.openai.api_server import build_app
+        from serving.entrypoints.openai.config import ServerConfig
         app = build_app(self.llm, ServerConfig(**self.server_kwargs))
         self.app = app
         self.runner = web.AppRunner(app, handler_cancellation=True, access_log=None)

@@ -116,7 +116,7 @@ def _post_when_up(url: str, body: dict, results: dict) -> None:
 
 
 def test_serve_answers_in_flight_requests_then_exits_1(victim_llm):
-    from serving.core.config import ServerConfig
+    from serving.entrypoints.openai.config import ServerConfig
     from serving.entrypoints.openai.serve_process import serve
     fail_device_step(victim_llm.engine)
     port = _free_port()

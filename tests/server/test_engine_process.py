@@ -14,7 +14,7 @@ import aiohttp
 import pytest
 
 from serving.core.request import SamplingParams
-from serving.engine.async_llm import EngineDeadError
+from serving.engine.exceptions import EngineDeadError
 from tests.helpers.prometheus import parse_values
 from tests.server.conftest import ENGINE_ARGS, ServerThread, wait_idle
 

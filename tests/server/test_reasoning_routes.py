@@ -88,7 +88,7 @@ async def test_without_a_parser_the_think_block_stays_in_content(unparsed):
 
 
 def test_server_config_rejects_an_unknown_parser():
-    from serving.core.config import ServerConfig
+    from serving.entrypoints.openai.config import ServerConfig
     with pytest.raises(ValueError, match=r"reasoning_parser must be one of \['qwen3'\], "
                                          r"got 'deepseek_r1'"):
         ServerConfig(reasoning_parser="deepseek_r1")

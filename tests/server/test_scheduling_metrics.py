@@ -6,7 +6,7 @@ import pytest
 
 from serving.cli.args import engine_kwargs
 from serving.cli.main import build_parser
-from serving.entrypoints.llm import engine_config_from_kwargs
+from serving.engine.config import engine_config_from_kwargs
 from serving.metrics.prometheus import Metrics
 from tests.helpers.prometheus import parse_values
 

@@ -1,6 +1,7 @@
 """Layers point one way: pallas_kernels <- qwen_jax (the model) <- serving (the engine),
 and no two modules import each other, however indirectly (a lazy import inside a function
-counts too).
+counts too). Inside `serving`, each subpackage imports only the ones its row of
+SERVING_LAYERS names (serving/__init__.py draws the picture).
 
 The `qwen_jax` package's public names include the engine's (`from qwen_jax import LLM`);
 `qwen_jax/__init__.py` resolves them by name on first use, never by an import statement,
@@ -61,6 +62,82 @@ def test_the_public_names_still_include_the_engine():
     assert {"LLM", "AsyncLLM", "SamplingParams", "Qwen3ForCausalLM"} <= set(qwen_jax.__all__)
 
 
+# subpackage -> the subpackages it may import. "core:" and "engine:" entries name the only
+# modules of those subpackages it may import (their public face).
+CORE_TYPES = {"core:request", "core:config", "core:structured_params"}
+ENGINE_PUBLIC = {"engine:llm_engine", "engine:config", "engine:async_llm", "engine:process",
+                 "engine:exceptions", "engine:multihost"}
+SERVING_LAYERS: dict[str, set[str]] = {
+    "core": set(),
+    "parsers": {"core"},
+    "structured_output": {"core"},
+    "metrics": {"core"},
+    "sample": {"core", "structured_output"},
+    "executor": {"core", "structured_output", "sample"},
+    "engine": {"core", "parsers", "structured_output", "metrics", "sample", "executor"},
+    "entrypoints": CORE_TYPES | ENGINE_PUBLIC | {"parsers", "metrics"},
+    "bench": CORE_TYPES | ENGINE_PUBLIC | {"parsers", "metrics", "entrypoints"},
+    "cli": CORE_TYPES | ENGINE_PUBLIC | {"parsers", "metrics", "entrypoints", "bench"},
+}
+
+
+def serving_module_of(name: str) -> tuple[str, str] | None:
+    """("executor", "model_runner") for serving.executor.model_runner[.Name]; None outside
+    serving's subpackages (serving itself, serving/eval_tasks.py: the old command's name)."""
+    parts = name.split(".")
+    if parts[0] != "serving" or len(parts) < 2 or parts[1] not in SERVING_LAYERS:
+        return None
+    return parts[1], parts[2] if len(parts) > 2 else ""
+
+
+def allowed(importer: str, imported: tuple[str, str]) -> bool:
+    package, module = imported
+    if package == importer:
+        return True
+    rules = SERVING_LAYERS[importer]
+    return package in rules or f"{package}:{module}" in rules
+
+
+def test_every_serving_subpackage_is_in_the_table():
+    packages = {p.parent.name for p in (ROOT / "serving").glob("*/__init__.py")}
+    assert packages == set(SERVING_LAYERS)
+
+
+def test_each_serving_subpackage_imports_only_what_its_row_allows():
+    offending = {}
+    for path in sorted((ROOT / "serving").rglob("*.py")):
+        parts = path.relative_to(ROOT).with_suffix("").parts
+        importer = serving_module_of(".".join(parts))
+        if importer is None:
+            continue
+        # "from serving.core import request" names serving.core.request too: keep the
+        # deepest name of each import, so a package's own name never hides its module
+        names = imported_modules(path)
+        bad = sorted(m for m in names if (target := serving_module_of(m)) is not None
+                     and target[1] and not allowed(importer[0], target)
+                     and not any(n.startswith(m + ".") and serving_module_of(n) is not None
+                                 and allowed(importer[0], serving_module_of(n))
+                                 for n in names))
+        if bad:
+            offending[str(path.relative_to(ROOT))] = bad
+    assert offending == {}
+
+
+def test_the_layer_rule_catches_a_forbidden_import():
+    assert not allowed("core", ("engine", "llm_engine"))
+    assert not allowed("entrypoints", ("core", "scheduler"))
+    assert not allowed("entrypoints", ("executor", "model_runner"))
+    assert allowed("entrypoints", ("engine", "exceptions"))
+    assert not allowed("parsers", ("metrics", "prometheus"))
+    assert allowed("sample", ("structured_output", "grammar"))
+
+
+def test_every_serving_package_says_what_it_holds_and_may_import():
+    for init in (ROOT / "serving").glob("*/__init__.py"):
+        doc = ast.get_docstring(ast.parse(init.read_text())) or ""
+        assert "import" in doc.lower(), init
+
+
 def project_modules() -> dict[str, Path]:
     modules = {}
     for layer in LAYERS:
@@ -114,7 +191,8 @@ def test_the_engine_imports_without_jaxtyping():
     # The GPU image runs the checkout with only jax/flax/orbax/aiohttp/tokenizers and a
     # few more installed: shape annotations must not need jaxtyping at import time.
     code = ("import sys; sys.modules['jaxtyping'] = None\n"
-            "import serving.engine.llm_engine, serving.executor.model_runner, qwen_jax.model, pallas_kernels\n"
+            "import serving.engine.llm_engine, serving.executor.model_runner\n"
+            "import qwen_jax.model, pallas_kernels\n"
             "from pallas_kernels.array_types import Float\n"
             "assert Float[int, 'T D'] is int\n"
             "print('ok')")

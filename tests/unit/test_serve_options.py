@@ -51,7 +51,7 @@ def test_requests_get_the_defaults_unless_they_say_otherwise(qwen3_dir, parse, b
 
 def test_serve_flags_reach_the_server_config():
     from serving.cli.main import build_parser
-    from serving.entrypoints.openai.api_server import ServerConfig
+    from serving.entrypoints.openai.config import ServerConfig
     args = build_parser().parse_args([
         "serve", "--tool-call-parser", "hermes", "--enable-auto-tool-choice",
         "--default-chat-template-kwargs", '{"enable_thinking": false}',

@@ -18,11 +18,10 @@ from pathlib import Path
 
 from aiohttp import web
 
-from serving.core.config import ServerConfig
-from serving.core.scheduler import QueueFullError
-from serving.engine.async_llm import EngineDeadError, RequestFailedError
+from serving.engine.exceptions import EngineDeadError, QueueFullError, RequestFailedError
 from serving.entrypoints.openai import http_policy
 from serving.entrypoints.openai import protocol as proto
+from serving.entrypoints.openai.config import ServerConfig
 from serving.entrypoints.openai.errors import APIError, error_body
 from serving.entrypoints.openai.outputs import Job, merge, sse
 from serving.entrypoints.openai.structured_requests import reply_format

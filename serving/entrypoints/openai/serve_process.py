@@ -15,11 +15,11 @@ import time
 
 from aiohttp import web
 
-from serving.core.config import ServerConfig
 from serving.engine.async_llm import AsyncLLM
 from serving.engine.process import MPAsyncLLM
 from serving.entrypoints.openai import http_policy
 from serving.entrypoints.openai.api_server import STATE, build_app
+from serving.entrypoints.openai.config import ServerConfig
 
 logger = logging.getLogger("qwen_jax.server")
 
