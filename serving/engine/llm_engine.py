@@ -159,7 +159,7 @@ class LLMEngine:
             delta=kind == RequestOutputKind.DELTA)
 
     def _guide(self, params: SamplingParams, prompt_ids: list[int]) -> Guide | None:
-        """The grammar matcher of a request with structured outputs, else None."""
+        """The grammar guide of a request with structured outputs, else None."""
         constraint = params.structured_outputs
         if constraint is None:
             return None

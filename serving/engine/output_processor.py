@@ -43,7 +43,7 @@ class SeqState:
     detokenizer: IncrementalDetokenizer | None
     logprobs: list | None = None
     cumulative_logprob: float = 0.0
-    guide: Guide | None = None  # the grammar matcher of a constrained sequence
+    guide: Guide | None = None  # the grammar guide of a constrained sequence
     uses_penalties: bool = False  # its sampling params penalise repeats (set on creation)
     sampling_entry: SamplingEntry | None = None  # its sampling arrays' row, kept by the engine
     # How many of its tokens earlier outputs held (stream_interval); DELTA outputs: and

@@ -1,5 +1,5 @@
 """Structured outputs on the host: llguidance grammars from `StructuredOutputsParams`, one
-matcher per constrained sequence, and the per-step token bitmask of the constrained rows.
+guide (grammar state) per constrained sequence, and the per-step token bitmask of the constrained rows.
 
 The mask is `TokenMask(active, bits)`: `bits` int32[S, ceil(V / 32)], bit v of row s set
 when token v is allowed (llguidance's layout); rows without a constraint are all ones.
@@ -134,7 +134,8 @@ class GrammarCompiler:
 
 
 class Guide:
-    """One sequence's matcher: which tokens may come next, advanced by each sampled one."""
+    """One sequence's guide: which tokens may come next, advanced by each sampled one (over
+    llguidance's matcher)."""
 
     def __init__(self, matcher):
         self.matcher = matcher
