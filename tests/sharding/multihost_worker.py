@@ -10,7 +10,7 @@ import jax
 jax.config.update("jax_platforms", "cpu")
 jax.config.update("jax_num_cpu_devices", 4)
 
-from serving import distributed  # noqa: E402
+from serving.executor import distributed  # noqa: E402
 
 ckpt, port, process_id, out_path = sys.argv[1], sys.argv[2], int(sys.argv[3]), sys.argv[4]
 distributed.initialize(f"127.0.0.1:{port}", 2, process_id)
