@@ -14,7 +14,7 @@ import aiohttp
 import numpy as np
 
 from serving.bench.datasets import BenchRequest, build_requests, load_tokenizer
-from serving.bench.metrics import RequestResult, compute_metrics, format_table, parse_goodput
+from serving.bench.report import RequestResult, compute_metrics, format_table, parse_goodput
 
 CHAT_ENDPOINT = "/v1/chat/completions"
 TIMEOUT = aiohttp.ClientTimeout(total=6 * 3600)

@@ -1,11 +1,11 @@
 """The waiting queue's order: fcfs, priority and length-aware with aging. Pure Python.
 
-Length-aware: a request's prompt length puts it in a bucket (short < 128 <= medium < 512
-<= long, `length_buckets`); short requests rank two levels above long ones, medium one.
-A waiting request gains one level per `aging_interval` seconds of waiting. Ranking by
-`level + waited / aging_interval` is the same at every instant as ranking by the static
-key `arrival_time + (short level - level) * aging_interval`, so the queue stays a sorted
-list and nothing is re-sorted as time passes.
+Length-aware: a request's prompt length puts it in a length class (short < 128 <= medium
+< 512 <= long, the `length_buckets` bounds); short requests rank two levels above long
+ones, medium one. A waiting request gains one level per `aging_interval` seconds of
+waiting. Ranking by `level + waited / aging_interval` is the same at every instant as
+ranking by the static key `arrival_time + (short level - level) * aging_interval`, so
+the queue stays a sorted list and nothing is re-sorted as time passes.
 
 The bound this gives, under any arrival pattern: no request is ever admitted ahead of
 a request that arrived more than `2 * aging_interval` seconds before it (one interval
@@ -35,10 +35,10 @@ from serving.core.config import LENGTH_AWARE
 from serving.core.request import Request
 
 SHORT, MEDIUM, LONG = 0, 1, 2
-BUCKET_NAMES = ("short", "medium", "long")
+LENGTH_CLASS_NAMES = ("short", "medium", "long")
 
 
-def length_bucket(num_prompt_tokens: int, bounds: tuple[int, ...]) -> int:
+def length_class(num_prompt_tokens: int, bounds: tuple[int, ...]) -> int:
     """SHORT, MEDIUM or LONG: bounds (128, 512) put 127 in short, 128 and 511 in medium."""
     return bisect.bisect_right(bounds, num_prompt_tokens)
 
@@ -65,8 +65,8 @@ class OrderPolicy:
     def sorted(self) -> bool:
         return self.name != "fcfs"
 
-    def bucket(self, request: Request) -> int:
-        return length_bucket(request.num_prompt_tokens, self.length_buckets)
+    def length_class(self, request: Request) -> int:
+        return length_class(request.num_prompt_tokens, self.length_buckets)
 
     def key(self, request: Request) -> tuple[float, ...]:
         boost = 1 if request.request_id in self.boosted else 0
@@ -74,7 +74,7 @@ class OrderPolicy:
             return (request.priority - boost, request.arrival_time)
         if self.name == LENGTH_AWARE:
             return (request.arrival_time
-                    + (self.bucket(request) - boost) * self.aging_interval,)
+                    + (self.length_class(request) - boost) * self.aging_interval,)
         return (request.arrival_time,)
 
     def yields_to(self, running: Request, waiting: Request) -> bool:

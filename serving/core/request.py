@@ -155,6 +155,14 @@ class SamplingParams:
         return self.top_k > 0
 
 
+# The one list of sampling field names, and the ones a checkpoint's generation_config.json
+# may default (vLLM's `--generation-config auto`) with their neutral values (`vllm` mode;
+# top_k -1 as the HTTP API reads it, the same as 0: disabled).
+SAMPLING_FIELDS = tuple(f.name for f in dataclasses.fields(SamplingParams))
+GENERATION_CONFIG_DEFAULTS = {"temperature": 1.0, "top_p": 1.0, "top_k": -1, "min_p": 0.0,
+                              "repetition_penalty": 1.0}
+
+
 def uses_penalties(p: SamplingParams) -> bool:
     """Whether a request applies presence, frequency or repetition penalties."""
     return p.presence_penalty != 0 or p.frequency_penalty != 0 or p.repetition_penalty != 1

@@ -22,7 +22,6 @@ Self-protection (serving/core/degradation.py) sets the step's budget and admissi
 
 from __future__ import annotations
 
-import dataclasses
 import time
 from collections.abc import Callable
 
@@ -33,47 +32,12 @@ from serving.core.page_pool import Page
 from serving.core.policies import LONG, SHORT, OrderPolicy, WaitingQueue
 from serving.core.prefill_cap import PrefillCap
 from serving.core.request import Request, RequestStatus
+from serving.core.scheduler_output import ScheduledSeq, SchedulerOutput
 from serving.core.swap import SwapManager
 
 
 class QueueFullError(RuntimeError):
     """The waiting queue is at `max_waiting`; the caller should shed load."""
-
-
-@dataclasses.dataclass(slots=True)
-class ScheduledSeq:
-    request: Request
-    num_new_tokens: int
-    start: int  # num_computed_tokens before the step: positions start..start+num_new-1
-    samples: bool  # the chunk reaches the end of the sequence, so a token is sampled
-    admitted: bool = False  # admitted from the waiting queue by this step (new or resumed)
-
-
-@dataclasses.dataclass
-class SchedulerOutput:
-    scheduled: list[ScheduledSeq]
-    preempted: list[str]
-    # KV copies to make before the step runs, in this order: (device page, host page)
-    # pairs to host, then (host page, device page) pairs back; host pages to forget.
-    swap_out: list[tuple[int, int]] = dataclasses.field(default_factory=list)
-    swap_in: list[tuple[int, int]] = dataclasses.field(default_factory=list)
-    host_pages_freed: list[int] = dataclasses.field(default_factory=list)
-
-    @property
-    def num_batched_tokens(self) -> int:
-        return sum(s.num_new_tokens for s in self.scheduled)
-
-    @property
-    def num_seqs(self) -> int:
-        return len(self.scheduled)
-
-    @property
-    def num_admitted(self) -> int:
-        return sum(s.admitted for s in self.scheduled)
-
-    @property
-    def is_empty(self) -> bool:
-        return not self.scheduled
 
 
 class Scheduler:
@@ -345,11 +309,11 @@ class Scheduler:
     def _preempt_for_short(self, request: Request, step: _Step, now: float) -> bool:
         """Length-aware: a short request that waited past short_preempt_wait and cannot be
         admitted preempts the running long request that ranks last, if it ranks below it."""
-        if not (self.policy.is_length_aware and self.policy.bucket(request) == SHORT
+        if not (self.policy.is_length_aware and self.policy.length_class(request) == SHORT
                 and now - request.arrival_time > self.config.short_preempt_wait):
             return False
         victims = [r for r in self.running
-                   if self.policy.bucket(r) == LONG and self.policy.yields_to(r, request)]
+                   if self.policy.length_class(r) == LONG and self.policy.yields_to(r, request)]
         if not victims:
             return False
         self._preempt(max(victims, key=self.policy.key), step)

@@ -2,9 +2,9 @@
 
 A preempted request's computed pages can be copied to host memory and copied back when
 it resumes, instead of being recomputed. This module only hands out host page ids and
-remembers which request holds which; the copies themselves are the runner's
-(serving/executor/swap_store.py), driven by the (device page, host page) pairs the scheduler puts in
-its output.
+remembers which request holds which; the copies themselves are the runner's and the
+swap store's (serving/executor/swap_store.py), driven by the (device page, host page)
+pairs the scheduler puts in its output.
 
 Swap or recompute: a request is swapped out when it has at least `min_tokens` computed
 tokens (a short prefix recomputes inside a step's spare token budget for almost nothing;

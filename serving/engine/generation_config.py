@@ -7,8 +7,9 @@ from __future__ import annotations
 import json
 from pathlib import Path
 
+from serving.core.request import GENERATION_CONFIG_DEFAULTS
+
 MODES = ("auto", "vllm")
-SAMPLING_KEYS = ("temperature", "top_p", "top_k", "min_p", "repetition_penalty")
 
 
 def sampling_defaults(model_dir: str | Path | None, mode: str = "auto") -> dict:
@@ -24,4 +25,4 @@ def sampling_defaults(model_dir: str | Path | None, mode: str = "auto") -> dict:
     if not path.is_file():
         return {}
     config = json.loads(path.read_text(encoding="utf-8"))
-    return {k: config[k] for k in SAMPLING_KEYS if config.get(k) is not None}
+    return {k: config[k] for k in GENERATION_CONFIG_DEFAULTS if config.get(k) is not None}

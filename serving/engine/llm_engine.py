@@ -2,7 +2,6 @@
 
 from __future__ import annotations
 
-import dataclasses
 import logging
 import time
 
@@ -19,30 +18,33 @@ from serving.core.request import (
     SamplingParams,
     prompt_token_ids,
 )
-from serving.core.scheduler import SchedulerOutput
+from serving.core.scheduler_output import SchedulerOutput
 from serving.core.structured_params import StructuredOutputsParams
 from serving.engine import setup as engine_setup
 from serving.engine import stats as engine_stats
 from serving.engine.config import EngineConfig
 from serving.engine.generation_config import sampling_defaults
 from serving.engine.output_processor import OutputProcessor, ParentState, SeqState, stream_due
+from serving.engine.step_records import (
+    Flight,
+    TokenCounts,
+    constrained_rows,
+    sampling_entries,
+    step_shape,
+)
 from serving.executor import distributed
-from serving.executor.model_inputs import ModelInputs, build_model_inputs, step_bucket
-from serving.executor.model_runner import (
-    PendingStep,
-    StepInputs,
+from serving.executor.compilation_cache import (
     default_compilation_cache_dir,
     enable_compilation_cache,
 )
-from serving.metrics.step_cost import CostModel, StepShape
-from serving.sample.sampler import (
+from serving.executor.model_inputs import build_model_inputs, step_bucket
+from serving.metrics.step_cost import CostModel
+from serving.sample.sampling_arrays import (
     NUM_BLOCKED,
-    PENDING_TOKEN,
-    SamplingEntry,
     build_sampling_arrays,
-    sampling_row,
 )
-from serving.structured_output.grammar import GrammarCompiler, Guide, MaskBuilder
+from serving.structured_output.grammar import GrammarCompiler, Guide
+from serving.structured_output.token_mask import MaskBuilder
 
 logger = logging.getLogger(__name__)
 
@@ -79,7 +81,7 @@ class LLMEngine:
         self.pages_per_seq, self.kv_cache_dtype = setup.pages_per_seq, setup.kv_cache_dtype
         self.bytes_per_page, self.num_pages = setup.bytes_per_page, setup.num_pages
         self.kv_manager, self.page_table = setup.kv_manager, setup.page_table
-        self.host_kv, self.scheduler = setup.host_kv, setup.scheduler
+        self.swap_store, self.scheduler = setup.swap_store, setup.scheduler
         self.runner, self.bucket_pairs = setup.runner, setup.bucket_pairs
         self._rng = np.random.default_rng(config.seed)
         self._seqs: dict[str, SeqState] = {}
@@ -89,14 +91,14 @@ class LLMEngine:
         self._parents: dict[str, ParentState] = {}
         self.compile_seconds = 0.0
         self.last_step: dict = {}
-        self._in_flight: _Flight | None = None  # dispatched, tokens not read yet
+        self._in_flight: Flight | None = None  # dispatched, tokens not read yet
         self.num_overlapped_steps = 0  # dispatched while the step before was in flight
         self._last_retired = 0.0
         if config.precompile:
             self.compile_seconds = self.runner.precompile(self.bucket_pairs,
                                                           progress=config.show_progress)
-            if self.host_kv is not None:
-                self.host_kv.compile(self.runner.kv_caches)
+            if self.swap_store is not None:
+                self.swap_store.compile(self.runner.kv_caches)
 
     # ---- construction ------------------------------------------------------------------
     @property
@@ -255,33 +257,33 @@ class LLMEngine:
             return False
         return self._num_guided == 0
 
-    def _launch(self, out: SchedulerOutput) -> _Flight:
+    def _launch(self, out: SchedulerOutput) -> Flight:
         """Build the step's inputs and dispatch it; returns at once."""
         buckets = self.scheduler_config.token_bucket_sizes, self.scheduler_config.seq_bucket_sizes
         bucket = step_bucket(out, *buckets)
-        masks = self._masks.submit(self._constrained_rows(out), bucket[1])  # filled meanwhile
+        masks = self._masks.submit(constrained_rows(out, self._seqs, self._num_guided),
+                                  bucket[1])  # filled meanwhile
         previous = self._in_flight
         batch = build_model_inputs(out, *buckets, self.page_size, self.pages_per_seq,
                                    None if previous is None else previous.rows,
                                    self.page_table, bucket)
         sampling = build_sampling_arrays(
-            self._sampling_entries(out), batch.padded_num_seqs,
+            sampling_entries(out, self._seqs), batch.padded_num_seqs,
             self.max_model_len, self.model_config.vocab_size,
             None if masks is None else masks.result())
-        inputs = StepInputs.from_batch(batch)
         if distributed.is_multiprocess():
-            distributed.publish_step(inputs, sampling)
+            distributed.publish_step(batch, sampling)
         started = time.perf_counter()
-        pending = self.runner.dispatch(inputs, sampling,
+        pending = self.runner.dispatch(batch, sampling,
                                        None if previous is None else previous.pending)
         rows = {}
         for row, scheduled in enumerate(out.scheduled):
             if scheduled.samples:
                 rows[scheduled.request.request_id] = row
                 scheduled.request.num_pending_tokens += 1
-        return _Flight(out, pending, rows, started, batch)
+        return Flight(out, pending, rows, started, batch)
 
-    def _retire(self, flight: _Flight) -> list[RequestOutput]:
+    def _retire(self, flight: Flight) -> list[RequestOutput]:
         """Read a dispatched step's tokens and process them."""
         result = flight.pending.result()
         now = time.perf_counter()
@@ -293,7 +295,7 @@ class LLMEngine:
         self.last_step = {"num_tokens": batch.num_tokens, "num_seqs": out.num_seqs,
                           "bucket": batch.bucket, "seconds": seconds,
                           "num_preempted": len(out.preempted),
-                          "num_admitted": out.num_admitted, "shape": _step_shape(batch)}
+                          "num_admitted": out.num_admitted, "shape": step_shape(batch)}
         return self._process_tokens(out, result)
 
     def _process_tokens(self, out, result) -> list[RequestOutput]:
@@ -301,76 +303,60 @@ class LLMEngine:
         grammars, emit outputs."""
         tokens = result.token_ids.tolist()  # one conversion, not a numpy scalar per row
         now = time.monotonic()  # every token of the step reached the host now
-        seqs, parents = self._seqs, self._parents
-        append = self.output_processor.append
-        streamed_output = self.output_processor.streamed_output
-        streamed_delta = self.output_processor.streamed_delta
-        vocab, logprobs = self.model_config.vocab_size, result.logprobs
-        interval = self.scheduler_config.stream_interval
+        counts = TokenCounts()
         outputs: list[RequestOutput] = []
         touched: dict[str, ParentState] = {}  # requests with n > 1
-        # The step's token stats, whatever its outputs hold (they may hold none: FINAL_ONLY,
-        # stream_interval): tokens appended, prompts whose first token this is, and the
-        # previous token's time of each other token, counted by time (a step's tokens
-        # mostly share one), for the metrics' inter-token latency.
-        num_generated = num_prompt_tokens = 0
-        previous_times: dict[float, int] = {}
         for row, scheduled in enumerate(out.scheduled):
             if not scheduled.samples:
                 continue
             request = scheduled.request
             request.num_pending_tokens -= 1  # its token is on the host now
-            seq = seqs.get(request.request_id)
+            seq = self._seqs.get(request.request_id)
             if seq is None or request.is_finished:
                 continue
-            token = tokens[row]
-            previous = request.metrics.last_token_time
-            try:
-                if not 0 <= token < vocab:
-                    raise ValueError(f"sampled token id {token} for {request.request_id!r} "
-                                     f"is outside the vocabulary [0, {vocab})")
-                num_generated += 1
-                if previous is not None:
-                    previous_times[previous] = previous_times.get(previous, 0) + 1
-                elif seq.index == 0:  # a request's prompt counts once, not once per sample
-                    num_prompt_tokens += len(request.prompt_token_ids)
-                status = append(seq, token, logprobs, row, now)
-                if seq.guide is not None and not seq.guide.accept(token):
-                    logger.error("request %s: token %d broke its grammar: %s", seq.parent_id,
-                                 token, seq.guide.matcher.get_error())
-                    status = RequestStatus.FINISHED_ERROR
-            except Exception as exc:  # one sequence's data: the cache and the rest are intact
-                status = None
-                self._fail(parents[seq.parent_id], exc)
-            if status is not None:
-                self.scheduler.finish(request.request_id, status)
-            parent = parents[seq.parent_id]
+            self._append_token(seq, tokens[row], result.logprobs, row, now, counts)
+            parent = self._parents[seq.parent_id]
             if len(parent.children) > 1:
                 touched[seq.parent_id] = parent  # one output for its samples, after the loop
             elif request.is_finished:
                 outputs.append(self._emit(parent, True))
-            elif parent.stream and (interval == 1 or stream_due(seq, interval)):
-                outputs.append(streamed_delta(parent, seq) if parent.delta
-                               else streamed_output(parent, seq))
+            elif parent.stream and self._stream_due(seq):
+                outputs.append(self.output_processor.streamed_delta(parent, seq) if parent.delta
+                               else self.output_processor.streamed_output(parent, seq))
         for parent in touched.values():
             finished = parent.finished
-            if finished or parent.stream and (interval == 1 or any(
-                    stream_due(child, interval) for child in parent.children)):
+            if finished or parent.stream and any(map(self._stream_due, parent.children)):
                 outputs.append(self._emit(parent, finished))
-        self.last_step.update(num_generated=num_generated, num_prompt_tokens=num_prompt_tokens,
-                              token_time=now, previous_token_times=previous_times)
+        self.last_step.update(num_generated=counts.num_generated,
+                              num_prompt_tokens=counts.num_prompt_tokens, token_time=now,
+                              previous_token_times=counts.previous_times)
         return outputs
 
-    def _constrained_rows(self, out) -> list:
-        """(row, guide) of the rows that sample this step under a grammar."""
-        rows: list = []
-        if not self._num_guided:
-            return rows
-        for row, scheduled in enumerate(out.scheduled):
-            seq = self._seqs.get(scheduled.request.request_id)
-            if scheduled.samples and seq is not None and seq.guide is not None:
-                rows.append((row, seq.guide))
-        return rows
+    def _append_token(self, seq: SeqState, token: int, logprobs, row: int, now: float,
+                      counts: TokenCounts) -> None:
+        """Append one sampled token to its sequence and finish the sequence if that was
+        its last (a stop, or a token its grammar rejects); a failure fails its request."""
+        request, vocab = seq.request, self.model_config.vocab_size
+        try:
+            if not 0 <= token < vocab:
+                raise ValueError(f"sampled token id {token} for {request.request_id!r} "
+                                 f"is outside the vocabulary [0, {vocab})")
+            counts.add(request.metrics.last_token_time,
+                       len(request.prompt_token_ids) if seq.index == 0 else 0)
+            status = self.output_processor.append(seq, token, logprobs, row, now)
+            if seq.guide is not None and not seq.guide.accept(token):
+                logger.error("request %s: token %d broke its grammar: %s", seq.parent_id,
+                             token, seq.guide.matcher.get_error())
+                status = RequestStatus.FINISHED_ERROR
+        except Exception as exc:  # one sequence's data: the cache and the rest are intact
+            status = None
+            self._fail(self._parents[seq.parent_id], exc)
+        if status is not None:
+            self.scheduler.finish(request.request_id, status)
+
+    def _stream_due(self, seq: SeqState) -> bool:
+        interval = self.scheduler_config.stream_interval
+        return interval == 1 or stream_due(seq, interval)
 
     def _fail(self, parent: ParentState, exc: Exception) -> None:
         """End a request whose own output could not be processed: its final output carries
@@ -383,37 +369,13 @@ class LLMEngine:
 
     def _copy_swapped_pages(self, out: SchedulerOutput) -> None:
         """The swaps the scheduler planned, before the step writes any page they read."""
-        if self.host_kv is None:
+        if self.swap_store is None:
             return
-        self.host_kv.release(out.host_pages_freed)
+        self.swap_store.release(out.host_pages_freed)
         if out.swap_out:
-            self.runner.copy_pages_to_host(self.host_kv, *zip(*out.swap_out))
+            self.runner.copy_pages_to_host(self.swap_store, *zip(*out.swap_out))
         if out.swap_in:
-            self.runner.copy_pages_from_host(self.host_kv, *zip(*out.swap_in))
-
-    def _sampling_entries(self, out: SchedulerOutput) -> list[SamplingEntry]:
-        """Each scheduled sequence's row of the step's sampling arrays. A sequence keeps
-        one entry and updates what changes per step (the arrays copy it at once)."""
-        seqs, entries = self._seqs, []
-        for scheduled in out.scheduled:
-            request = scheduled.request
-            seq = seqs[request.request_id]
-            entry = seq.sampling_entry
-            if entry is None:
-                params = request.sampling_params
-                entry = seq.sampling_entry = SamplingEntry(
-                    params, seq.seed, 0, (), None, len(request.prompt_token_ids),
-                    sampling_row(params, seq.seed))
-            entry.output_index = num_output = (len(request.output_token_ids)
-                                               + request.num_pending_tokens)
-            if seq.blocked_ids:  # eos/stop ids, blocked until min_tokens
-                entry.blocked_ids = (seq.blocked_ids if num_output
-                                     < request.sampling_params.min_tokens else ())
-            if seq.uses_penalties:  # the token in flight, if any, is filled on the device
-                entry.penalty_tokens = (request.all_token_ids
-                                        + [PENDING_TOKEN] * request.num_pending_tokens)
-            entries.append(entry)
-        return entries
+            self.runner.copy_pages_from_host(self.swap_store, *zip(*out.swap_in))
 
     def _emit(self, parent: ParentState, finished: bool) -> RequestOutput:
         """The request's output after a step that touched it (the caller emits one each
@@ -429,22 +391,3 @@ class LLMEngine:
     # ---- introspection -----------------------------------------------------------------
     def stats(self) -> dict:
         return {**engine_stats.kv_stats(self), **engine_stats.scheduling_stats(self.scheduler)}
-
-
-@dataclasses.dataclass
-class _Flight:
-    """A dispatched step whose tokens the host has not read."""
-
-    out: SchedulerOutput
-    pending: PendingStep
-    rows: dict[str, int]  # request id -> row, of the requests it samples a token for
-    started: float
-    batch: ModelInputs  # its host arrays
-
-
-def _step_shape(batch: ModelInputs) -> StepShape:
-    """Each scheduled sequence's new tokens and its context once they are written."""
-    num_seqs = int(batch.num_seqs)
-    return StepShape(query_lens=tuple(np.diff(batch.query_start[:num_seqs + 1]).tolist()),
-                     context_lens=tuple(batch.kv_lens[:num_seqs].tolist()))
-

@@ -18,7 +18,7 @@ from serving.core.request import (
 from serving.engine.detokenizer import IncrementalDetokenizer
 
 if TYPE_CHECKING:  # host-side code: the sampler's types only, not jax
-    from serving.sample.sampler import SamplingEntry, TokenLogprobs
+    from serving.sample.sampling_arrays import SamplingEntry, TokenLogprobs
     from serving.structured_output.grammar import Guide
 
 

@@ -25,8 +25,6 @@ exits when the pipe closes, so it never outlives the API process.
 from __future__ import annotations
 
 import concurrent.futures
-import dataclasses
-import functools
 import importlib
 import itertools
 import logging
@@ -42,88 +40,23 @@ import traceback
 from collections.abc import Callable
 from pathlib import Path
 
-from serving.core.request import CompletionOutput, RequestMetrics, RequestOutput
+from serving.core.request import RequestOutput
 from serving.engine.async_llm import EngineClient, RequestStream, deliver_step
 from serving.engine.config import one_replica_config
 from serving.engine.exceptions import EngineDeadError
+from serving.engine.wire import (
+    EngineInfo,
+    completion_fields,
+    decode_output,
+    engine_info,
+    wire_output,
+)
 
 logger = logging.getLogger(__name__)
 
 # Calls the API process may make; anything else is refused by the engine process.
 CALLS = ("add_request", "abort", "has_unfinished_requests")
 STARTUP_TIMEOUT_S = 3600.0  # a large checkpoint loads and compiles within this
-
-
-@dataclasses.dataclass(frozen=True)
-class DeviceInfo:
-    platform: str
-    device_kind: str
-
-
-@dataclasses.dataclass
-class EngineInfo:
-    """What the server reads off an engine, sent once by the engine process. The tokenizer
-    and the grammar compiler (schema checks before a request is sent) are the API
-    process's own, loaded from the same files."""
-
-    config: object  # EngineConfig
-    model_path: Path
-    max_model_len: int
-    model_config: object  # Qwen3Config
-    default_sampling: dict
-    page_size: int
-    bucket_pairs: list
-    compile_seconds: float
-    load_seconds: float
-    devices: list[DeviceInfo]
-    cost_model: object  # CostModel
-    eos_token_ids: tuple[int, ...]
-
-    @functools.cached_property
-    def tokenizer(self):
-        from serving.engine.setup import load_tokenizer
-        return load_tokenizer(self.config, self.model_path)
-
-    @functools.cached_property
-    def grammars(self):
-        from serving.structured_output.grammar import GrammarCompiler
-        if self.tokenizer is None:
-            return None
-        return GrammarCompiler(self.tokenizer, self.model_config.vocab_size,
-                               list(self.eos_token_ids))
-
-
-def wire_output(request_id, prompt, prompt_token_ids, prompt_logprobs, completions,
-                finished, metrics, num_cached_tokens, error) -> tuple:
-    """A RequestOutput as the engine process sends it (OutputProcessor.make_output there):
-    what its request's earlier outputs did not fix, i.e. the completions (tuples of
-    CompletionOutput's fields: `_completion_fields` is make_completion there), the metrics'
-    times, the finish and the prompt logprobs (DELTA: once). Not the prompt or its ids."""
-    m = metrics
-    times = None if m is None else (m.arrival_time, m.arrival_wall_time, m.first_scheduled_time,
-                                    m.first_token_time, m.last_token_time, m.finished_time)
-    return (request_id, completions, finished, times, num_cached_tokens, error,
-            prompt_logprobs)
-
-
-def decode_output(stream: RequestStream, item: tuple) -> RequestOutput:
-    """`wire_output`'s tuple as the RequestOutput it was, around what the stream keeps:
-    the prompt, its ids and one RequestMetrics (updated in place, as the engine's is)."""
-    request_id, completions, finished, times, num_cached, error, prompt_logprobs = item
-    if times is not None:
-        if stream.metrics is None:
-            stream.metrics = RequestMetrics(*times)
-        else:
-            m = stream.metrics
-            (m.arrival_time, m.arrival_wall_time, m.first_scheduled_time,
-             m.first_token_time, m.last_token_time, m.finished_time) = times
-    return RequestOutput(request_id, stream.prompt, stream.prompt_token_ids, prompt_logprobs,
-                         [CompletionOutput(*c) for c in completions], finished,
-                         stream.metrics, num_cached, error)
-
-
-def _completion_fields(*fields) -> tuple:
-    return fields
 
 
 class MPAsyncLLM(EngineClient):
@@ -314,7 +247,7 @@ def _engine_main(fd: int) -> None:
         engine = LLMEngine(config)
         # outputs built as what crosses the pipe, not as objects taken apart to send
         engine.output_processor.make_output = wire_output
-        engine.output_processor.make_completion = _completion_fields
+        engine.output_processor.make_completion = completion_fields
         if hook is not None:
             module, function, args = hook
             getattr(importlib.import_module(module), function)(engine, *args)
@@ -323,17 +256,6 @@ def _engine_main(fd: int) -> None:
         send(("failed", _picklable(exc), None))
         return
     _EngineLoop(engine, conn, send).run()
-
-
-def engine_info(engine) -> EngineInfo:
-    return EngineInfo(
-        config=engine.config, model_path=engine.model_path, max_model_len=engine.max_model_len,
-        model_config=engine.model_config, default_sampling=engine.default_sampling,
-        page_size=engine.page_size, bucket_pairs=list(engine.bucket_pairs),
-        compile_seconds=engine.compile_seconds, load_seconds=engine.load_seconds,
-        devices=[DeviceInfo(d.platform, d.device_kind) for d in engine.devices],
-        cost_model=engine.cost_model,
-        eos_token_ids=tuple(sorted(engine.output_processor.eos_token_ids)))
 
 
 class _EngineLoop:

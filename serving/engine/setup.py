@@ -22,7 +22,7 @@ from serving.engine.config import EngineConfig
 from serving.executor import distributed, kv_cache
 from serving.executor.model_inputs import PageTable
 from serving.executor.model_runner import ModelRunner
-from serving.executor.swap_store import HostKVStore
+from serving.executor.swap_store import SwapStore
 
 DEFAULT_MAX_MODEL_LEN = 4096
 
@@ -67,7 +67,7 @@ class CacheSetup:
     num_pages: int
     kv_manager: KVCacheManager
     page_table: PageTable
-    host_kv: HostKVStore | None
+    swap_store: SwapStore | None
     scheduler: Scheduler
     runner: ModelRunner
     bucket_pairs: list
@@ -100,12 +100,12 @@ def build_cache(config: EngineConfig, model: Qwen3ForCausalLM, mesh) -> CacheSet
     if num_host_pages and distributed.is_multiprocess():
         raise ValueError(f"swap_space={cache.swap_space} is not supported with multiple "
                          "processes; use 0 (recompute)")
-    host_kv = HostKVStore(num_pages, pages_per_seq) if num_host_pages else None
+    swap_store = SwapStore(num_pages, pages_per_seq) if num_host_pages else None
     scheduler = Scheduler(sched, kv_manager,
                           swap=SwapManager(num_host_pages, cache.swap_min_tokens))
     runner = ModelRunner(model, caches, max_model_len=max_model_len,
                          pages_per_seq=pages_per_seq, mesh=mesh,
                          max_num_seqs=max(sched.seq_bucket_sizes))
     return CacheSetup(sched, page_size, pages_per_seq, dtype, bytes_per_page, num_pages,
-                      kv_manager, page_table, host_kv, scheduler, runner,
+                      kv_manager, page_table, swap_store, scheduler, runner,
                       bucket_pairs(sched.token_bucket_sizes, sched.seq_bucket_sizes))

@@ -22,7 +22,7 @@ def kv_stats(engine) -> dict:
         "prefix_cache_hits": kv.pool.num_hit_tokens,
         "num_overlapped_steps": engine.num_overlapped_steps,
         "num_compiles": engine.runner.num_compiles + (
-            engine.host_kv.num_compiles if engine.host_kv is not None else 0),
+            engine.swap_store.num_compiles if engine.swap_store is not None else 0),
         "bytes_per_page": engine.bytes_per_page,
         "kv_capacity_tokens": engine.kv_capacity_tokens,
     }

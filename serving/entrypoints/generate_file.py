@@ -18,11 +18,11 @@ from collections.abc import Iterator
 from pathlib import Path
 from typing import Any
 
-from serving.core.request import RequestOutput, SamplingParams
+from serving.core.request import SAMPLING_FIELDS, RequestOutput, SamplingParams
 from serving.entrypoints.llm import LLM
 
 # A file's records get their final outputs only, so output_kind is not one of its fields.
-SAMPLING_FIELDS = frozenset(f.name for f in dataclasses.fields(SamplingParams)) - {"output_kind"}
+LINE_SAMPLING_FIELDS = frozenset(SAMPLING_FIELDS) - {"output_kind"}
 OTHER_FIELDS = frozenset({"id", "prompt", "messages", "chat_template_kwargs", "metadata"})
 
 
@@ -68,7 +68,7 @@ class JsonlAppender:
 
 
 @dataclasses.dataclass
-class BatchItem:
+class InputLine:
     line_no: int
     id: str | int  # as written in the input; `key` is what identifies it
     prompt: dict  # {"prompt": text} or {"prompt_token_ids": [...]} for the engine
@@ -92,8 +92,8 @@ def _derived_seed(base_seed: int, item_id: str) -> int:
 
 
 def parse_line(raw: str, line_no: int, tokenizer, default_sampling: dict,
-               base_seed: int | None) -> BatchItem:
-    """One input line -> BatchItem; raises BadLine with the reason."""
+               base_seed: int | None) -> InputLine:
+    """One input line -> InputLine; raises BadLine with the reason."""
     try:
         obj = json.loads(raw)
     except ValueError as e:
@@ -110,21 +110,21 @@ def parse_line(raw: str, line_no: int, tokenizer, default_sampling: dict,
 
 
 def _parse_fields(obj: dict, line_no: int, tokenizer, default_sampling: dict,
-                  base_seed: int | None) -> BatchItem:
-    unknown = sorted(set(obj) - OTHER_FIELDS - SAMPLING_FIELDS)
+                  base_seed: int | None) -> InputLine:
+    unknown = sorted(set(obj) - OTHER_FIELDS - LINE_SAMPLING_FIELDS)
     if unknown:
         raise BadLine(f"unknown field(s) {unknown}; allowed: id, prompt, messages, "
                       "chat_template_kwargs, metadata and SamplingParams fields but "
                       "output_kind (a record gets its final output)")
     prompt = _engine_prompt(obj, tokenizer)
-    fields = {**default_sampling, **{k: v for k, v in obj.items() if k in SAMPLING_FIELDS}}
+    fields = {**default_sampling, **{k: v for k, v in obj.items() if k in LINE_SAMPLING_FIELDS}}
     if fields.get("seed") is None and base_seed is not None:
         fields["seed"] = _derived_seed(base_seed, str(obj["id"]))
     try:
         params = SamplingParams(**fields)
     except (TypeError, ValueError) as e:
         raise BadLine(f"invalid sampling parameters: {e}") from None
-    return BatchItem(line_no, obj["id"], prompt, params, obj.get("metadata"))
+    return InputLine(line_no, obj["id"], prompt, params, obj.get("metadata"))
 
 
 def _engine_prompt(obj: dict, tokenizer) -> dict:
@@ -152,7 +152,7 @@ def _engine_prompt(obj: dict, tokenizer) -> dict:
     return {"prompt_token_ids": list(ids)}
 
 
-def result_record(item: BatchItem, output: RequestOutput, finished_at: float) -> dict:
+def result_record(item: InputLine, output: RequestOutput, finished_at: float) -> dict:
     first = output.outputs[0]
     num_completion = sum(len(o.token_ids) for o in output.outputs)
     metrics = output.metrics
@@ -181,7 +181,7 @@ def _count_lines(path: Path) -> int:
         return sum(chunk.count(b"\n") for chunk in iter(lambda: f.read(1 << 20), b""))
 
 
-class _BatchRun:
+class _FileRun:
     """State of one pass over the input: what is done, in flight, and reported."""
 
     def __init__(self, engine, input_path: Path, output: JsonlAppender, errors: JsonlAppender,
@@ -192,11 +192,11 @@ class _BatchRun:
         self.done = {str(r["id"]) for r in output.recover() if "id" in r}
         self.reported_lines = {r.get("line") for r in errors.recover()}
         self.seen: set[str] = set()
-        self.pending: dict[str, BatchItem] = {}
+        self.pending: dict[str, InputLine] = {}
         self.counts = {"num_lines": 0, "completed": 0, "skipped": 0, "errors": 0,
                        "prompt_tokens": 0, "completion_tokens": 0}
 
-    def items(self, bar) -> Iterator[BatchItem]:
+    def items(self, bar) -> Iterator[InputLine]:
         """Valid, not-yet-done items in file order; bad lines are reported on the way."""
         with open(self.input_path, encoding="utf-8", errors="replace") as f:
             for line_no, raw in enumerate(f, 1):
@@ -224,7 +224,7 @@ class _BatchRun:
         if line_no not in self.reported_lines:  # a resumed run does not report it twice
             self.errors.write({"line": line_no, "id": item_id, "error": reason})
 
-    def submit(self, item: BatchItem, bar) -> None:
+    def submit(self, item: InputLine, bar) -> None:
         try:
             self.engine.add_request(item.key, item.prompt, item.sampling_params, stream=False)
         except ValueError as e:  # too long a prompt, token ids outside the vocabulary, ...
@@ -281,7 +281,7 @@ def generate_file(input, output, *, llm=None, model: str | None = None,
     if not input_path.is_file():
         raise FileNotFoundError(f"input file {str(input_path)!r} does not exist")
     errors_path = Path(errors_path) if errors_path else Path(f"{output_path}.errors.jsonl")
-    unknown = sorted(set(default_sampling or {}) - SAMPLING_FIELDS)
+    unknown = sorted(set(default_sampling or {}) - LINE_SAMPLING_FIELDS)
     if unknown:
         raise ValueError(f"default_sampling has unknown SamplingParams field(s) {unknown}")
     if llm is None:
@@ -291,7 +291,7 @@ def generate_file(input, output, *, llm=None, model: str | None = None,
     out, errs = JsonlAppender(output_path), JsonlAppender(errors_path)
     # the model's generation-config defaults, under the caller's
     defaults = {**engine.default_sampling, **(default_sampling or {})}
-    run = _BatchRun(engine, input_path, out, errs, defaults, base_seed)
+    run = _FileRun(engine, input_path, out, errs, defaults, base_seed)
     started = time.perf_counter()
     try:
         with tqdm(total=_count_lines(input_path), desc="generate", unit="req",

@@ -14,8 +14,9 @@ import logging
 import jax
 import numpy as np
 
-from serving.executor.model_runner import StepInputs, padding_inputs, padding_sampling
-from serving.sample.sampler import SamplingArrays
+from serving.executor.model_inputs import ModelInputs
+from serving.executor.model_runner import padding_inputs, padding_sampling
+from serving.sample.sampling_arrays import SamplingArrays
 
 logger = logging.getLogger(__name__)
 
@@ -53,7 +54,7 @@ def _broadcast(tree):
     return multihost_utils.broadcast_one_to_all(tree)
 
 
-def publish_step(inputs: StepInputs, sampling: SamplingArrays) -> None:
+def publish_step(inputs: ModelInputs, sampling: SamplingArrays) -> None:
     """Process 0: send this step's inputs to every other process."""
     _broadcast(np.array([_STEP, *inputs.bucket], np.int32))
     # Structured outputs are refused with several processes, so the grammar mask is the
@@ -66,13 +67,13 @@ def publish_stop() -> None:
 
 
 def receive_step(pages_per_seq: int, max_model_len: int, vocab_size: int
-                 ) -> tuple[StepInputs, SamplingArrays] | None:
+                 ) -> tuple[ModelInputs, SamplingArrays] | None:
     """Followers: the next step's inputs, or None on stop."""
     command, num_tokens, num_seqs = (int(x) for x in _broadcast(np.zeros(3, np.int32)))
     if command == _STOP:
         return None
     padding = padding_sampling(num_seqs, max_model_len, vocab_size)
-    template = (StepInputs.from_batch(padding_inputs(num_tokens, num_seqs, pages_per_seq)),
+    template = (padding_inputs(num_tokens, num_seqs, pages_per_seq),
                 dataclasses.replace(padding, token_mask=None))
     inputs, sampling = jax.tree.map(np.asarray, _broadcast(template))
     return inputs, dataclasses.replace(sampling, token_mask=padding.token_mask)

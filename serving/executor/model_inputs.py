@@ -15,12 +15,14 @@ import numpy as np
 
 from serving.core.buckets import pick_bucket, pick_seq_bucket
 from serving.core.request import Request
-from serving.core.scheduler import ScheduledSeq, SchedulerOutput
+from serving.core.scheduler_output import ScheduledSeq, SchedulerOutput
 
 
 @dataclasses.dataclass
 class ModelInputs:
-    """One padded step's host arrays (serving/runner.StepInputs carries them to the step)."""
+    """One padded step's inputs: host numpy arrays until the step (or the multi-host
+    broadcast) moves them to the devices. The model runner registers the type as a pytree,
+    so the jitted step takes it as it is."""
 
     token_ids: np.ndarray  # int32[T]
     positions: np.ndarray  # int32[T]
@@ -30,10 +32,14 @@ class ModelInputs:
     page_table: np.ndarray  # int32[S, pages_per_seq]; 0 for unused entries
     logits_index: np.ndarray  # int32[S]: flat index of each sequence's last token
     num_seqs: np.ndarray  # int32[] real sequences
-    num_tokens: int  # real tokens (host-side only)
     # int32[T]: for a token the previous step sampled and the host has not read yet, that
     # step's row (the device fills it in); -1 elsewhere
     prev_index: np.ndarray
+
+    @property
+    def num_tokens(self) -> int:
+        """Real tokens (host arrays only): where the last sequence's chunk ends."""
+        return int(self.query_start[-1])
 
     @property
     def padded_num_tokens(self) -> int:
@@ -45,6 +51,7 @@ class ModelInputs:
 
     @property
     def bucket(self) -> tuple[int, int]:
+        """(T, S): the compiled step this batch runs."""
         return self.padded_num_tokens, self.padded_num_seqs
 
 
@@ -110,12 +117,26 @@ def build_model_inputs(scheduler_output: SchedulerOutput, token_buckets: Sequenc
     step_bucket's (T, S), where the caller has it."""
     scheduled = scheduler_output.scheduled
     num_seqs = len(scheduled)
-    starts = np.fromiter((s.start for s in scheduled), np.int32, num_seqs)
     num_tokens = sum(s.num_new_tokens for s in scheduled)
     T, S = bucket or step_bucket(scheduler_output, token_buckets, seq_buckets)
     table = None if page_table is None else page_table.rows(scheduled, S)
     if table is None:
         table = _page_table(scheduled, S, pages_per_seq)
+    positions, query_start, logits_index, kv_lens, slot_mapping = _layout(
+        scheduled, T, S, table, page_size)
+    token_ids, prev_index = _token_ids(scheduled, T, num_tokens, logits_index, prev_rows)
+    return ModelInputs(token_ids=token_ids, positions=positions, slot_mapping=slot_mapping,
+                       query_start=query_start, kv_lens=kv_lens, page_table=table,
+                       logits_index=logits_index, num_seqs=np.array(num_seqs, np.int32),
+                       prev_index=prev_index)
+
+
+def _layout(scheduled, T: int, S: int, table: np.ndarray, page_size: int):
+    """Where each token sits: its position, its sequence's chunk (query_start), the row
+    whose logits are sampled, each sequence's context after the step, and its KV slot."""
+    num_seqs = len(scheduled)
+    starts = np.fromiter((s.start for s in scheduled), np.int32, num_seqs)
+    num_tokens = sum(s.num_new_tokens for s in scheduled)
     positions = np.zeros(T, np.int32)
     query_start = np.empty(S + 1, np.int32)
     logits_index = np.zeros(S, np.int32)
@@ -143,6 +164,14 @@ def build_model_inputs(scheduler_output: SchedulerOutput, token_buckets: Sequenc
     pages = table[seq_of_token, real_positions // page_size]
     slot_mapping[:num_tokens] = pages * page_size + real_positions % page_size
 
+    return positions, query_start, logits_index, kv_lens, slot_mapping
+
+
+def _token_ids(scheduled, T: int, num_tokens: int, logits_index: np.ndarray,
+               prev_rows: Mapping[str, int] | None) -> tuple[np.ndarray, np.ndarray]:
+    """The input ids, and for each id the step before sampled (still on the device) its
+    row there (prev_index; -1 elsewhere): the device fills those in."""
+    num_seqs = len(scheduled)
     token_ids = np.zeros(T, np.int32)
     prev_index = np.full(T, -1, np.int32)
     all_pending = False
@@ -165,10 +194,7 @@ def build_model_inputs(scheduler_output: SchedulerOutput, token_buckets: Sequenc
             itertools.chain.from_iterable(
                 s.request.tokens(s.start, s.start + s.num_new_tokens) for s in scheduled),
             np.int32, num_tokens)
-    return ModelInputs(token_ids=token_ids, positions=positions, slot_mapping=slot_mapping,
-                       query_start=query_start, kv_lens=kv_lens, page_table=table,
-                       logits_index=logits_index, num_seqs=np.array(num_seqs, np.int32),
-                       num_tokens=num_tokens, prev_index=prev_index)
+    return token_ids, prev_index
 
 
 def _tokens_with_pending(scheduled, logits_index, prev_index, prev_rows) -> list[int]:

@@ -7,161 +7,42 @@ import concurrent.futures
 import dataclasses
 import logging
 import os
-import queue
-import sys
-import threading
 import time
 from collections.abc import Callable
-from pathlib import Path
 
 import jax
 import numpy as np
 from flax import nnx
 from jax.sharding import NamedSharding
 
-from pallas_kernels.array_types import Array, Int
 from qwen_jax.attention import AttentionMetadata
 from qwen_jax.sharding import replicated
+from serving.executor.dispatch import DispatchThread, PendingStep, done
 from serving.executor.model_inputs import ModelInputs
 from serving.executor.transfer import pack, packed_size, unpack
-from serving.sample.sampler import (
+from serving.sample.sampler import sample, token_logprobs
+from serving.sample.sampling_arrays import (
     SamplerOutput,
     SamplingArrays,
     TokenLogprobs,
     build_sampling_arrays,
-    sample,
-    token_logprobs,
     uses_penalty_rows,
 )
-from serving.structured_output.grammar import TokenMask, inactive_mask
+from serving.structured_output.token_mask import TokenMask, inactive_mask
 
 logger = logging.getLogger(__name__)
 
 
-@jax.tree_util.register_dataclass
-@dataclasses.dataclass(frozen=True)
-class StepInputs:
-    """The jitted step's argument: one padded batch as the model reads it. Host numpy
-    arrays until the step (or the multi-host broadcast) moves them to the devices."""
-
-    token_ids: Int[Array | np.ndarray, " T"]
-    positions: Int[Array | np.ndarray, " T"]
-    logits_index: Int[Array | np.ndarray, " S"]  # flat index of each sequence's last token
-    attention: AttentionMetadata
-    # Overlapped loop: the row of the previous step's sampled tokens that token t is
-    # (read on the device, never by the host); -1: token_ids[t] holds it.
-    prev_index: Int[Array | np.ndarray, " T"]
-
-    @classmethod
-    def from_batch(cls, batch: ModelInputs) -> StepInputs:
-        return cls(token_ids=batch.token_ids, positions=batch.positions,
-                   logits_index=batch.logits_index, prev_index=batch.prev_index,
-                   attention=AttentionMetadata(
-                       slot_mapping=batch.slot_mapping, query_start=batch.query_start,
-                       kv_lens=batch.kv_lens, page_table=batch.page_table,
-                       num_seqs=batch.num_seqs))
-
-    @property
-    def bucket(self) -> tuple[int, int]:
-        """(T, S): the compiled step this batch runs."""
-        return self.token_ids.shape[0], self.logits_index.shape[0]
+# The padded batch crosses into the jitted step as a pytree of its arrays.
+jax.tree_util.register_dataclass(
+    ModelInputs, data_fields=[f.name for f in dataclasses.fields(ModelInputs)], meta_fields=[])
 
 
-def default_compilation_cache_dir() -> str:
-    base = os.environ.get("XDG_CACHE_HOME") or os.path.join(os.path.expanduser("~"), ".cache")
-    return os.path.join(base, "qwen-jax", "jax-compilation-cache")
-
-
-def enable_compilation_cache(directory: str | None) -> None:
-    """Persistent XLA cache: a restart reuses compiled buckets (0.55 s -> 0.03 s each)."""
-    if not directory:
-        return
-    Path(directory).mkdir(parents=True, exist_ok=True)
-    jax.config.update("jax_compilation_cache_dir", directory)
-    jax.config.update("jax_persistent_cache_min_compile_time_secs", 0)
-    jax.config.update("jax_persistent_cache_min_entry_size_bytes", 0)
-
-
-class PendingStep:
-    """A dispatched step: its outputs stay on the device until `result()` reads them.
-    `next_tokens` (i32[max_num_seqs], the sampled ids padded) feeds the following step.
-    `launched`: the step's call, done or (dispatch thread) still under way; its value is
-    (SamplerOutput, next_tokens), whose copy back to the host has been started."""
-
-    def __init__(self, launched: concurrent.futures.Future, want_logprobs: bool):
-        self._launched = launched
-        self._want_logprobs = want_logprobs
-        self._host: SamplerOutput | None = None
-
-    @property
-    def next_tokens(self) -> jax.Array:
-        return self._launched.result()[1]
-
-    def result(self) -> SamplerOutput:
-        """The sampled ids (and logprobs, when a row asked for them) as host arrays: one
-        fetch, which waits for the step to finish (and raises what its call raised)."""
-        if self._host is None:
-            out = self._launched.result()[0]
-            if self._want_logprobs:
-                self._host = jax.device_get(out)
-            else:
-                self._host = SamplerOutput(token_ids=np.asarray(out.token_ids), logprobs=None)
-        return self._host
-
-
-class DispatchThread:
-    """One thread that makes every device call of a runner, in the order submitted.
-
-    On a GPU the call of a step does not return at once: XLA runs each `lax.cond` of the
-    step (the sampler's branches) by copying its predicate to the host and blocking the
-    calling thread until the device has done everything before it (its ConditionalThunk;
-    conditionals are not in XLA's default CUDA-graph command types). Called from the
-    engine's thread, the step's call would hold that thread for about the whole forward
-    pass, and the host work meant to overlap it (the step before's outputs, the next
-    schedule) would wait. Here the call blocks this thread instead; JAX releases the GIL
-    while it waits.
-
-    The thread needs the GIL again to return from one call and make the next, while the
-    engine's thread runs Python for up to a few milliseconds a step: the interpreter's
-    switch interval (5 ms by default) is lowered to SWITCH_INTERVAL_S, so that the next
-    step's call waits at most that long for it."""
-
-    SWITCH_INTERVAL_S = 5e-4
-
-    def __init__(self, name: str = "qwen-jax-dispatch"):
-        if sys.getswitchinterval() > self.SWITCH_INTERVAL_S:
-            sys.setswitchinterval(self.SWITCH_INTERVAL_S)
-        self._jobs: queue.SimpleQueue = queue.SimpleQueue()
-        self._thread = threading.Thread(target=self._run, name=name, daemon=True)
-        self._thread.start()
-
-    def submit(self, fn: Callable[[], object]) -> concurrent.futures.Future:
-        future: concurrent.futures.Future = concurrent.futures.Future()
-        self._jobs.put((fn, future))
-        return future
-
-    def call(self, fn: Callable[[], object]):
-        """fn() on this thread, after every call submitted before it; waits for it."""
-        return self.submit(fn).result()
-
-    def close(self) -> None:
-        self._jobs.put(None)
-        self._thread.join(timeout=10)
-
-    def _run(self) -> None:
-        while (job := self._jobs.get()) is not None:
-            fn, future = job
-            try:
-                future.set_result(fn())
-            except BaseException as exc:  # the caller's result() raises it
-                future.set_exception(exc)
-
-
-def _done(fn: Callable[[], object]) -> concurrent.futures.Future:
-    """fn() run now, as a finished future (what the dispatch thread's submit returns)."""
-    future: concurrent.futures.Future = concurrent.futures.Future()
-    future.set_result(fn())
-    return future
+def attention_metadata(inputs: ModelInputs) -> AttentionMetadata:
+    """Where each of the batch's tokens sits in the paged cache, as attention reads it."""
+    return AttentionMetadata(slot_mapping=inputs.slot_mapping, query_start=inputs.query_start,
+                             kv_lens=inputs.kv_lens, page_table=inputs.page_table,
+                             num_seqs=inputs.num_seqs)
 
 
 class ModelRunner:
@@ -219,7 +100,7 @@ class ModelRunner:
                                        pending_tokens=token_ids[inputs.logits_index])
         model = nnx.merge(self.graphdef, state)
         hidden, kv_caches = model.forward(token_ids, inputs.positions, kv_caches,
-                                          inputs.attention)
+                                          attention_metadata(inputs))
         logits = model.compute_logits(hidden[inputs.logits_index])  # [S, V] f32
         out = sample(logits, sampling)
         next_tokens = jax.numpy.zeros(self.max_num_seqs, jax.numpy.int32).at[
@@ -229,16 +110,16 @@ class ModelRunner:
     def _packed_template(self, bucket: tuple[int, int]):
         """Shapes and dtypes of what `dispatch` packs for a (T, S) bucket."""
         t, s = bucket
-        host = (StepInputs.from_batch(padding_inputs(t, s, self.pages_per_seq)),
+        host = (padding_inputs(t, s, self.pages_per_seq),
                 _small(padding_sampling(s, self.max_model_len, self.vocab_size)))
         return jax.tree.map(lambda x: jax.ShapeDtypeStruct(np.shape(x), np.asarray(x).dtype),
                             host)
 
-    def execute(self, inputs: StepInputs, sampling: SamplingArrays) -> SamplerOutput:
+    def execute(self, inputs: ModelInputs, sampling: SamplingArrays) -> SamplerOutput:
         """Run one step and wait for it: its sampled tokens and logprobs as host arrays."""
         return self.dispatch(inputs, sampling).result()
 
-    def dispatch(self, inputs: StepInputs, sampling: SamplingArrays,
+    def dispatch(self, inputs: ModelInputs, sampling: SamplingArrays,
                  prev: PendingStep | None = None) -> PendingStep:
         """Start one step and return at once. Host to device: one packed int32 buffer,
         plus the penalty tokens / grammar mask only when some row uses them (otherwise
@@ -269,7 +150,7 @@ class ModelRunner:
             return out, next_tokens
 
         thread = self._dispatch_thread
-        return PendingStep(_done(launch) if thread is None else thread.submit(launch),
+        return PendingStep(done(launch) if thread is None else thread.submit(launch),
                            want_logprobs)
 
     @property
@@ -306,7 +187,7 @@ class ModelRunner:
         return self._no_prev_tokens
 
     def copy_pages_to_host(self, store, device_pages, host_pages) -> None:
-        """Swap out: `store` (serving/host_kv.HostKVStore) keeps the pages' KV."""
+        """Swap out: `store` (serving/executor/swap_store.py) keeps the pages' KV."""
         self._on_device_thread(lambda: store.save(self.kv_caches, list(device_pages),
                                                   list(host_pages)))
 
@@ -389,7 +270,7 @@ def padding_inputs(num_tokens: int, num_seqs: int, pages_per_seq: int) -> ModelI
                        slot_mapping=zeros(num_tokens), query_start=zeros(num_seqs + 1),
                        kv_lens=zeros(num_seqs), page_table=zeros(num_seqs, pages_per_seq),
                        logits_index=zeros(num_seqs), num_seqs=np.array(0, np.int32),
-                       num_tokens=0, prev_index=np.full(num_tokens, -1, np.int32))
+                       prev_index=np.full(num_tokens, -1, np.int32))
 
 
 def _small(sampling: SamplingArrays) -> SamplingArrays:

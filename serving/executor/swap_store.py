@@ -55,7 +55,7 @@ class _Chunk:
         self.num_rows = num_rows
 
 
-class HostKVStore:
+class SwapStore:
     def __init__(self, num_pages: int, max_pages_per_copy: int):
         self.num_pages = num_pages
         self.largest = 1 << max(0, (max_pages_per_copy - 1).bit_length())

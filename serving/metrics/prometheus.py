@@ -7,26 +7,23 @@ Engine-wide state (running/waiting, KV usage, prefix cache, preemptions, compile
 from `AsyncLLM.stats()` at scrape time by a custom collector; per-request observations
 (tokens, latencies, finish reasons, parameters) are recorded by the server as outputs
 arrive; per-step ones (batched tokens, new sequences, device time, FLOPs and bytes against
-the device's peaks, serving/metrics/step_cost.py) come from the engine's step listener. Each server
-owns a private registry.
+the device's peaks, serving/metrics/step_cost.py) come from the engine's step listener.
+Each server owns a private registry; collectors.py holds the collectors read at scrape time.
 """
 
 from __future__ import annotations
 
 import asyncio
-import bisect
 import logging
 import time
 
 from prometheus_client import CollectorRegistry, Counter, Gauge, Histogram, generate_latest
-from prometheus_client.core import CounterMetricFamily, GaugeMetricFamily, HistogramMetricFamily
-from prometheus_client.utils import floatToGoString
 
 from serving.core.request import RequestOutput, SamplingParams
+from serving.metrics.collectors import OWN, EngineCollector, PlainCounter, TokenGaps
 from serving.metrics.nvml import NvmlCollector, load_nvml
 from serving.metrics.step_cost import CostModel, DevicePeak, device_peak
 
-OWN = "qwen_jax"
 METRICS_PREFIXES = ("qwen_jax", "vllm")  # vllm: vLLM's metric names, for its dashboards
 CONTENT_TYPE = "text/plain; version=0.0.4; charset=utf-8"
 # vLLM's buckets (seconds / tokens).
@@ -49,113 +46,6 @@ RATE_BUCKETS = tuple(m * 10.0 ** e for e in range(6, 17) for m in (1, 2, 5))
 def bucket_1_2_5(limit: int) -> tuple[int, ...]:
     """1, 2, 5, 10, 20, ... up to `limit` (vLLM's token-count buckets)."""
     return tuple(v for v in (m * 10 ** e for e in range(12) for m in (1, 2, 5)) if v <= limit)
-
-
-class _EngineCollector:
-    """Gauges and cumulative counters straight from the engine's stats snapshot."""
-
-    def __init__(self, llm, model_name: str, prefix: str):
-        self.llm, self.labels, self.prefix = llm, {"model_name": model_name}, prefix
-
-    def _family(self, cls, name: str, doc: str, value: float, prefix: str | None = None):
-        family = cls(f"{prefix or self.prefix}:{name}", doc, labels=list(self.labels))
-        family.add_metric(list(self.labels.values()), value)
-        return family
-
-    def collect(self):
-        s = self.llm.stats()
-        g, c = GaugeMetricFamily, CounterMetricFamily
-        yield self._family(g, "num_requests_running", "Requests in model execution batches.",
-                           s["num_running"])
-        yield self._family(g, "num_requests_waiting", "Requests waiting to be processed.",
-                           s["num_waiting"])
-        yield self._family(g, "kv_cache_usage_perc", "KV-cache usage. 1 means 100 percent.",
-                           s["kv_cache_usage"])
-        yield self._family(c, "prefix_cache_queries", "Prefix cache queries, in tokens.",
-                           s["prefix_cache_queries"])
-        yield self._family(c, "prefix_cache_hits", "Prefix cache hits, in tokens.",
-                           s["prefix_cache_hits"])
-        yield self._family(c, "num_preemptions", "Cumulative number of preemptions.",
-                           s["num_preemptions"])
-        yield self._family(c, "num_compiles", "XLA compilations of the model step.",
-                           s["num_compiles"], OWN)
-        yield self._family(g, "kv_cache_used_pages", "KV pages held by requests.",
-                           s["num_used_pages"], OWN)
-        yield self._family(g, "kv_cache_total_pages", "KV pages in the cache.",
-                           s["num_total_pages"], OWN)
-        yield self._family(g, "engine_dead", "1 once a failed step has killed the engine.",
-                           float(getattr(self.llm, "dead", None) is not None), OWN)
-        yield from _scheduling_families(self, s)
-
-
-def _scheduling_families(collector: _EngineCollector, s: dict):
-    """Self-protection and KV swap (vLLM v0's names for the swap gauges)."""
-    g, c = GaugeMetricFamily, CounterMetricFamily
-    for cls, name, doc, key in (
-            (g, "scheduler_max_num_batched_tokens",
-             "Effective token budget per step (lowered while degraded).",
-             "max_num_batched_tokens"),
-            (g, "scheduler_degraded", "1 while KV pressure has lowered the token budget.",
-             "degraded"),
-            (c, "scheduler_degradation_switches", "Times degradation switched on or off.",
-             "num_degradation_switches"),
-            (c, "scheduler_priority_boosts",
-             "Waiting requests boosted one level after waiting past --boost-wait.",
-             "num_priority_boosts"),
-            (g, "num_requests_swapped", "Preempted requests whose KV is in host memory.",
-             "num_swapped_requests"),
-            (g, "cpu_cache_usage_perc", "Host swap space usage. 1 means 100 percent.",
-             "swap_space_usage"),
-            (c, "num_swap_outs", "Preemptions that copied the KV to host memory.",
-             "num_swap_outs"),
-            (c, "num_swap_ins", "Swapped-out requests resumed from host memory.",
-             "num_swap_ins"),
-            (c, "num_recomputed_tokens", "Computed tokens discarded by recompute preemptions.",
-             "num_recomputed_tokens")):
-        yield collector._family(cls, name, doc, s[key], OWN)
-
-
-class _PlainCounter:
-    """A counter kept as a plain number by its one writer (the engine thread's step
-    listener: no lock each time), read by `read` when scraped."""
-
-    def __init__(self, name: str, doc: str, model_name: str, read):
-        self.name, self.doc, self.model_name, self.read = name, doc, model_name, read
-
-    def collect(self):
-        family = CounterMetricFamily(self.name, self.doc, labels=["model_name"])
-        family.add_metric([self.model_name], self.read())
-        yield family
-
-
-class _TokenGaps:
-    """A histogram of the gaps between a request's tokens, collected under each of
-    `names`. One writer (the engine thread's step listener, a few distinct gaps a step)
-    and the scrapes read it, so it is plain counts: a bisect and two adds per gap value.
-    Two prometheus_client Histograms observed per streamed output were about a quarter of
-    a streamed chunk's cost on the server's event loop."""
-
-    def __init__(self, model_name: str, buckets: tuple[float, ...],
-                 names: list[tuple[str, str]]):
-        self.model_name, self.names = model_name, names
-        self.bounds = (*buckets, float("inf"))
-        self.counts = [0] * len(self.bounds)
-        self.sum = 0.0
-
-    def observe(self, gap: float, times: int = 1) -> None:
-        """`times` gaps of `gap` seconds each."""
-        self.counts[bisect.bisect_left(self.bounds, gap)] += times
-        self.sum += gap * times
-
-    def collect(self):
-        buckets, total = [], 0
-        for bound, count in zip(self.bounds, self.counts):
-            total += count
-            buckets.append((floatToGoString(bound), total))
-        for name, doc in self.names:
-            family = HistogramMetricFamily(name, doc, labels=["model_name"])
-            family.add_metric([self.model_name], buckets, sum_value=self.sum)
-            yield family
 
 
 class _Factory:
@@ -203,20 +93,20 @@ class Metrics:
         self._step_metrics(f)
         # The series each step updates, labelled once: `labels()` takes a lock and builds
         # its key on every call (it was ~40% of a streamed chunk's cost in the server,
-        # whose per-output series are plain counts now: _PlainCounter, _TokenGaps).
+        # whose per-output series are plain counts now: PlainCounter, TokenGaps).
         self._step_series = {name: getattr(self, name).labels(model_name)
                              for name in _STEP_SERIES if hasattr(self, name)}  # mfu: a peak
         self.http_responses = f.counter("http_responses", "HTTP responses by status code.",
                                         ["code"], own=True)
-        self.registry.register(_EngineCollector(llm, model_name, prefix))
+        self.registry.register(EngineCollector(llm, model_name, prefix))
 
     def _request_metrics(self, f: _Factory, lengths: tuple[int, ...]) -> None:
         h = f.histogram
         # Counted by the engine thread's step listener (on_step): plain totals, one writer.
-        self.registry.register(_PlainCounter(
+        self.registry.register(PlainCounter(
             f.name("prompt_tokens", False), "Prefill tokens processed.", self.model_name,
             lambda: self.num_prompt_tokens))
-        self.registry.register(_PlainCounter(
+        self.registry.register(PlainCounter(
             f.name("generation_tokens", False), "Generation tokens processed.",
             self.model_name, lambda: self.num_generation_tokens))
         self.request_success = f.counter("request_success", "Finished requests by reason.",
@@ -224,7 +114,7 @@ class Metrics:
         self.ttft = h("time_to_first_token_seconds", "Time to first token.", TTFT_BUCKETS)
         # Inter-token latency, and vLLM's older name for the same intervals (its dashboards
         # graph it): one histogram under both names.
-        self.token_gaps = _TokenGaps(self.model_name, ITL_BUCKETS, [
+        self.token_gaps = TokenGaps(self.model_name, ITL_BUCKETS, [
             (f.name("inter_token_latency_seconds", False), "Inter-token latency."),
             (f.name("time_per_output_token_seconds", False), "Time per output token.")])
         self.registry.register(self.token_gaps)

@@ -6,15 +6,9 @@ Host-side text only: no jax, no tokenizer. One parser object per streamed choice
 
 from __future__ import annotations
 
+from serving.parsers.tags import partial_tag_len
+
 THINK_START, THINK_END = "<think>", "</think>"
-
-
-def _partial_tag_len(text: str, tag: str) -> int:
-    """Length of the longest proper prefix of `tag` that `text` ends with."""
-    for k in range(min(len(tag) - 1, len(text)), 0, -1):
-        if text.endswith(tag[:k]):
-            return k
-    return 0
 
 
 class Qwen3ReasoningParser:
@@ -73,7 +67,7 @@ class Qwen3ReasoningParser:
         elif finished:
             self._pending, emit = "", text.rstrip("\n")
         else:  # hold back a possible `</think>` prefix and the newlines before it
-            cut = len(text) - _partial_tag_len(text, THINK_END)
+            cut = len(text) - partial_tag_len(text, THINK_END)
             while cut and text[cut - 1] == "\n":
                 cut -= 1
             emit, self._pending = text[:cut], text[cut:]

@@ -14,18 +14,11 @@ import re
 import uuid
 
 from serving.core.structured_params import COMPACT_JSON
+from serving.parsers.tags import partial_tag_len
 
 CALL_START, CALL_END = "<tool_call>", "</tool_call>"
 _NAME = re.compile(r'"name"\s*:\s*"((?:[^"\\]|\\.)*)"')
 _ARGUMENTS = re.compile(r'"arguments"\s*:\s*')
-
-
-def _partial_tag_len(text: str, tag: str) -> int:
-    """Length of the longest proper prefix of `tag` that `text` ends with."""
-    for k in range(min(len(tag) - 1, len(text)), 0, -1):
-        if text.endswith(tag[:k]):
-            return k
-    return 0
 
 
 def call_id() -> str:
@@ -153,7 +146,7 @@ class HermesToolParser:
         return content, deltas
 
     def _content(self, before: str, complete: bool) -> str:
-        end = len(before) if complete else len(before) - _partial_tag_len(before, CALL_START)
+        end = len(before) if complete else len(before) - partial_tag_len(before, CALL_START)
         piece = before[self._content_sent:end] if end > self._content_sent else ""
         self._content_sent = max(self._content_sent, end)
         return piece

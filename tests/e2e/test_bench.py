@@ -6,7 +6,7 @@ import json
 import numpy as np
 import pytest
 
-from serving.bench.metrics import RequestResult, compute_metrics, format_table, parse_goodput
+from serving.bench.report import RequestResult, compute_metrics, format_table, parse_goodput
 from serving.cli.main import main
 from tests.helpers.fake_openai import serve_in_thread
 

@@ -11,7 +11,7 @@ import pytest
 from qwen_jax import LLM, SamplingParams
 from serving.engine.config import engine_config_from_kwargs
 from serving.engine.llm_engine import LLMEngine
-from serving.sample.sampler import SamplerOutput
+from serving.sample.sampling_arrays import SamplerOutput
 from tests.engine.conftest import make_prompts
 
 ARGS = dict(max_num_seqs=8, max_num_batched_tokens=64, max_model_len=128,

@@ -6,7 +6,8 @@ import numpy as np
 import pytest
 
 from serving.core.request import SamplingParams, uses_penalties
-from serving.sample.sampler import SamplingEntry, build_sampling_arrays, sample
+from serving.sample.sampler import sample
+from serving.sample.sampling_arrays import SamplingEntry, build_sampling_arrays
 
 _sample = jax.jit(sample)
 
@@ -120,7 +121,7 @@ def test_invalid_sampling_params_name_the_field(field, value):
 
 def _mask(allowed_rows, vocab):
     """A TokenMask whose row i allows exactly allowed_rows[i] (None: every token)."""
-    from serving.structured_output.grammar import TokenMask, num_mask_words
+    from serving.structured_output.token_mask import TokenMask, num_mask_words
     bits = np.full((len(allowed_rows), num_mask_words(vocab)), -1, np.int32)
     for i, allowed in enumerate(allowed_rows):
         if allowed is not None:
@@ -146,7 +147,7 @@ def test_token_mask_limits_constrained_rows_only(params):
 
 
 def test_inactive_mask_changes_nothing():
-    from serving.structured_output.grammar import inactive_mask
+    from serving.structured_output.token_mask import inactive_mask
     logits = np.random.default_rng(2).normal(size=(2, 40)).astype(np.float32)
     entries = [SamplingEntry(SamplingParams(temperature=1.0), 4, 0, (), None, 0)] * 2
     off = _mask([{1}, {2}], 40)

@@ -9,7 +9,8 @@ import zlib
 from serving.core.config import SchedulerConfig
 from serving.core.kv_cache_manager import KVCacheManager
 from serving.core.request import Request, RequestStatus, SamplingParams
-from serving.core.scheduler import Scheduler, SchedulerOutput
+from serving.core.scheduler import Scheduler
+from serving.core.scheduler_output import SchedulerOutput
 from serving.core.swap import SwapManager
 
 VOCAB = 50

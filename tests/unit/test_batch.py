@@ -6,7 +6,7 @@ import numpy as np
 import pytest
 
 from serving.core.request import Request
-from serving.core.scheduler import ScheduledSeq, SchedulerOutput
+from serving.core.scheduler_output import ScheduledSeq, SchedulerOutput
 from serving.executor.model_inputs import build_model_inputs
 
 BS = 4

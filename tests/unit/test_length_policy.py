@@ -4,7 +4,7 @@ budget yielding, preempting a running long request for short ones, priority boos
 import numpy as np
 import pytest
 
-from serving.core.policies import LONG, MEDIUM, SHORT, length_bucket
+from serving.core.policies import LONG, MEDIUM, SHORT, length_class
 from tests.helpers.fake_engine import FakeEngine
 
 LA = "length-aware"
@@ -23,8 +23,8 @@ def chunks(out):
     (511, (128, 512), MEDIUM), (512, (128, 512), LONG), (5000, (128, 512), LONG),
     (9, (10, 20), SHORT), (10, (10, 20), MEDIUM), (20, (10, 20), LONG),
 ])
-def test_length_bucket_boundaries(num, bounds, bucket):
-    assert length_bucket(num, bounds) == bucket
+def test_length_class_boundaries(num, bounds, bucket):
+    assert length_class(num, bounds) == bucket
 
 
 def test_shorter_prompts_rank_first_at_equal_wait():

@@ -9,7 +9,8 @@ import pytest
 from qwen_jax.tokenizer import Tokenizer
 from serving.core.request import SamplingParams
 from serving.core.structured_params import StructuredOutputsParams
-from serving.structured_output.grammar import GrammarCompiler, MaskBuilder
+from serving.structured_output.grammar import GrammarCompiler
+from serving.structured_output.token_mask import MaskBuilder
 from tests.helpers.fixtures import QWEN3_TOKENIZER
 
 VOCAB = 151936

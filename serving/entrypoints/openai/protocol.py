@@ -12,7 +12,14 @@ import json
 import math
 from typing import Any
 
-from serving.core.request import MAX_LOGPROBS, MAX_N, RequestOutputKind, SamplingParams
+from serving.core.request import (
+    GENERATION_CONFIG_DEFAULTS,
+    MAX_LOGPROBS,
+    MAX_N,
+    SAMPLING_FIELDS,
+    RequestOutputKind,
+    SamplingParams,
+)
 from serving.core.structured_params import StructuredOutputsParams
 from serving.entrypoints.openai.errors import bad
 from serving.entrypoints.openai.structured_requests import (
@@ -32,10 +39,11 @@ MAX_REPETITION_PENALTY = 100.0
 MAX_STOP_STRINGS = 16
 MAX_STOP_TOKEN_IDS = 256
 MAX_BATCH_PROMPTS = 64
-_SAMPLING_FIELDS = {
-    "temperature", "top_p", "top_k", "min_p", "presence_penalty", "frequency_penalty",
-    "repetition_penalty", "seed", "stop", "stop_token_ids", "ignore_eos", "min_tokens",
-    "skip_special_tokens", "include_stop_str_in_output", "n", "max_tokens"}
+# The SamplingParams fields a body sets under their own names (logprobs and structured
+# outputs are read in the OpenAI shapes; output_kind follows `stream`; prompt_logprobs is
+# not offered over HTTP).
+_SAMPLING_FIELDS = set(SAMPLING_FIELDS) - {"logprobs", "prompt_logprobs", "structured_outputs",
+                                           "output_kind"}
 _COMMON_FIELDS = _SAMPLING_FIELDS | STRUCTURED_FIELDS | UNSUPPORTED_FIELDS | {
     "model", "stream", "stream_options", "priority", "user", "logprobs", "best_of",
     "logit_bias", "metadata", "store", "service_tier"}
@@ -43,10 +51,7 @@ COMPLETION_FIELDS = _COMMON_FIELDS | {"prompt", "echo", "suffix"}
 CHAT_FIELDS = _COMMON_FIELDS | TOOL_FIELDS | {
     "messages", "top_logprobs", "max_completion_tokens", "chat_template_kwargs",
     "add_generation_prompt", "response_format", "include_reasoning"}
-# Sampling fields a checkpoint's generation_config.json may default (vLLM's
-# `--generation-config auto`), with the neutral defaults used otherwise.
-NEUTRAL_DEFAULTS = {"temperature": 1.0, "top_p": 1.0, "top_k": -1, "min_p": 0.0,
-                    "repetition_penalty": 1.0}
+
 
 
 def describe(value: Any) -> str:
@@ -183,7 +188,7 @@ class ParsedRequest:
 
 
 def _read_sampling(body: dict, vocab_size: int, defaults: dict) -> dict:
-    """`defaults`: NEUTRAL_DEFAULTS overridden by the model's generation config."""
+    """`defaults`: GENERATION_CONFIG_DEFAULTS overridden by the model's generation config."""
     top_k = read_int(body, "top_k", defaults["top_k"], -1, INT32_MAX)
     return dict(
         n=read_int(body, "n", 1, 1, MAX_N),
@@ -224,7 +229,7 @@ def _read_common(body: dict, known: set[str], vocab_size: int,
                  defaults: dict | None) -> ParsedRequest:
     chat = "messages" in known
     reject_unsupported(body, chat)
-    sampling = _read_sampling(body, vocab_size, {**NEUTRAL_DEFAULTS, **(defaults or {})})
+    sampling = _read_sampling(body, vocab_size, {**GENERATION_CONFIG_DEFAULTS, **(defaults or {})})
     _reject_unsupported(body, sampling["n"])
     structured, field = read_structured(body, chat)
     stream = read_bool(body, "stream", False)

@@ -1,4 +1,5 @@
-"""Per-request results -> vLLM `bench serve` metrics. Pure Python + numpy.
+"""Per-request results -> a run's report in vLLM `bench serve`'s metric names. Pure Python +
+numpy.
 
 TTFT: request sent -> first streamed chunk with a choice. ITL: the gaps between
 successive chunks. E2EL: request sent -> last chunk. TPOT: (E2EL - TTFT) / (output
