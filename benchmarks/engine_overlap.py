@@ -18,10 +18,18 @@
 0. First, the vocabulary-wide work of a step at Qwen3's 151,936 tokens (lm head and
    sampler, 32 sequences): greedy, sampled, with and without logprobs, against the matmul.
 
+`--server` instead: the server's way at many streams, the engine on a thread of the
+server's process (`AsyncLLM`) against the engine in a process of its own (`MPAsyncLLM`,
+`qwen-jax serve`'s default). N streamed requests through `generate` (DELTA outputs, as
+the server asks), each read by a coroutine that makes every output into a chat SSE chunk,
+against the fake device of d ms a step; the figure is the engine's step period while all
+N decode (the median gap between consecutive steps' token times, from the step stats) and
+d / period. The two kinds run in turns, `--rounds` times.
+
     PYTHONPATH=. python benchmarks/engine_overlap.py [--out FILE]
-    PYTHONPATH=. python benchmarks/engine_overlap.py --host-only   # host cost, before/after
-    PYTHONPATH=. python benchmarks/engine_overlap.py --skip-engine \
-        [--baseline-sampler /tmp/sampler_before.py]   # the vocabulary part, before/after
+    PYTHONPATH=. python benchmarks/engine_overlap.py --host-only   # host cost only
+    PYTHONPATH=. python benchmarks/engine_overlap.py --skip-engine  # the vocabulary part
+    PYTHONPATH=. python benchmarks/engine_overlap.py --server --seqs 64 256 --device-ms 0 5 12
 """
 
 from __future__ import annotations
@@ -39,7 +47,7 @@ os.environ.setdefault("TOKENIZERS_PARALLELISM", "false")
 
 import numpy as np  # noqa: E402
 
-from serving.sample.sampler import SamplerOutput  # noqa: E402
+from serving.sample.sampling_arrays import SamplerOutput  # noqa: E402
 
 SEQS = (1, 8, 64, 256)
 
@@ -73,11 +81,35 @@ def parse_args(argv=None):
     p.add_argument("--vocab-hidden", type=int, default=128, help="the tiny model's hidden size")
     p.add_argument("--vocab-seqs", type=int, default=32)
     p.add_argument("--vocab-repeats", type=int, default=20)
+    p.add_argument("--server", action="store_true",
+                   help="only the server's way at many streams: the engine on a thread "
+                        "against the engine in its own process (--seqs, --device-ms)")
+    p.add_argument("--rounds", type=int, default=2, help="--server: turns of the two kinds")
     p.add_argument("--baseline-sampler", default=None,
                    help="a sampler.py to time beside serving/sample/sampler.py, e.g. from "
                         "`git show REV:serving/sample/sampler.py > /tmp/sampler_before.py`")
     p.add_argument("--out", default=None)
     return p.parse_args(argv)
+
+
+class _NoEngine:
+    """Metrics' engine collector reads stats only when scraped; nothing scrapes here."""
+
+    engine = None
+
+    def stats(self) -> dict:
+        return {}
+
+
+def streamed_chat_job(metrics, vocab_size: int):
+    """What the server keeps for one streamed chat completion."""
+    from serving.entrypoints.openai import protocol as proto
+    from serving.entrypoints.openai.outputs import Job
+    req = proto.parse_chat({"model": "m", "messages": [{"role": "user", "content": "hi"}],
+                            "stream": True, "max_tokens": 4000}, vocab_size)
+    params = [proto.sampling_params(req, 10, 8192, "messages")]
+    return Job(kind="chatcmpl", request_id="x", model="m", req=req, prompts=[[1] * 10],
+               params=params, metrics=metrics)
 
 
 class FakeDevice:
@@ -303,12 +335,11 @@ def async_engine_thread(model, num_seqs: int, steps: int, cache_dir,
     threading.Thread(target=loop.run_forever, daemon=True).start()
     received = [0]
     if chunks or whole:
-        from benchmarks.stream_chunks import _NoEngine, streamed_job
         from serving.metrics.prometheus import Metrics
         metrics = Metrics(_NoEngine(), "m")
 
     async def read(stream):
-        job = (streamed_job("chat", metrics, engine.model_config.vocab_size)
+        job = (streamed_chat_job(metrics, engine.model_config.vocab_size)
                if chunks or whole else None)
         while True:
             output = await stream.get()
@@ -403,6 +434,94 @@ def fake_device_runs(args) -> dict:
         print(json.dumps({"seqs": n, **{m: r["ms"] for m, r in row.items()}}),
               file=sys.stderr, flush=True)
     return out
+
+
+def install_fake_device(engine, device_ms: float) -> None:
+    """An `MPAsyncLLM` engine hook: in the engine's process, the fake device of d ms."""
+    engine.runner.dispatch = FakeDevice(device_ms / 1e3).dispatch
+
+
+def served_cell(kind: str, args, num_seqs: int, device_ms: float) -> dict:
+    """`num_seqs` streamed DELTA requests through `generate` of AsyncLLM (`kind` "thread")
+    or MPAsyncLLM ("process"), each output made into a chat SSE chunk by its reader:
+    the engine's step period while every sequence decodes, and d / period."""
+    import asyncio
+    import threading
+
+    from serving.core.request import SamplingParams
+    from serving.metrics.prometheus import Metrics
+    warmup = 5
+    max_tokens = args.steps + warmup + 40
+    rng = np.random.default_rng(num_seqs)
+    prompt_lens = rng.integers(32, 257, size=num_seqs)
+    pages = 1 + sum(-(-(int(k) + max_tokens) // 16) for k in prompt_lens)
+    engine_args = dict(max_num_seqs=max(num_seqs, 8), max_num_batched_tokens=8192,
+                       max_model_len=1024, num_gpu_blocks_override=pages + 16,
+                       precompile=False, show_progress=False,
+                       compilation_cache_dir=args.compilation_cache_dir,
+                       stream_interval=args.stream_interval)
+    if kind == "process":
+        from serving.engine.process import MPAsyncLLM
+        llm = MPAsyncLLM(args.model, engine_hook=("benchmarks.engine_overlap",
+                                                  "install_fake_device", (device_ms,)),
+                         **engine_args)
+    else:
+        from serving.engine.async_llm import AsyncLLM
+        llm = AsyncLLM(args.model, **engine_args)
+        install_fake_device(llm.engine, device_ms)
+    vocab = llm.engine.model_config.vocab_size
+    steps: list[tuple[float, int]] = []  # (token_time, tokens appended) per step
+    llm.step_listeners.append(
+        lambda info, outputs: steps.append((info["token_time"], info["num_generated"]))
+        if "token_time" in info else None)
+    metrics = Metrics(_NoEngine(), "m")
+    params = SamplingParams(temperature=0.0, max_tokens=max_tokens, ignore_eos=True,
+                            output_kind="DELTA")
+    received = [0]
+
+    async def read(i: int, prompt: list[int]) -> None:
+        job = streamed_chat_job(metrics, vocab)
+        async for output in llm.generate({"prompt_token_ids": prompt}, params,
+                                         request_id=str(i)):
+            received[0] += 1
+            job.sse_chunks(0, output)
+
+    async def run() -> None:
+        await asyncio.gather(*(read(i, rng.integers(2, vocab, int(k)).tolist())
+                               for i, k in enumerate(prompt_lens)))
+
+    loop = asyncio.new_event_loop()
+    thread = threading.Thread(target=loop.run_until_complete, args=(run(),), daemon=True)
+    thread.start()
+    thread.join()
+    llm.shutdown()
+    loop.close()
+    decoding = [t for t, n in steps if n == num_seqs]  # every sequence decoding
+    gaps = [b - a for a, b in zip(decoding[warmup:], decoding[warmup + 1:])][:args.steps]
+    period = statistics.median(gaps)
+    return {"step_ms": round(1e3 * period, 3),
+            "efficiency": round(device_ms / 1e3 / period, 3) if device_ms else None,
+            "decode_steps": len(gaps), "outputs_read": received[0]}
+
+
+def server_runs(args) -> dict:
+    """`served_cell` for every N and d, the engine on a thread and in its own process in
+    turns (the order swapped every round)."""
+    kinds, cells = ("thread", "process"), {}
+    for n in args.seqs:
+        for d in args.device_ms:
+            runs: dict = {kind: [] for kind in kinds}
+            for r in range(args.rounds):
+                for kind in kinds if r % 2 == 0 else kinds[::-1]:
+                    runs[kind].append(served_cell(kind, args, n, d))
+            summary = {kind: {"step_ms": [c["step_ms"] for c in cell],
+                              "efficiency": [c["efficiency"] for c in cell],
+                              "outputs_read": cell[0]["outputs_read"]}
+                       for kind, cell in runs.items()}
+            cells[f"{n} seqs, d={d:g} ms"] = summary
+            print(json.dumps({"seqs": n, "device_ms": d, **summary}), file=sys.stderr,
+                  flush=True)
+    return cells
 
 
 def real_model(args) -> dict:
@@ -522,14 +641,14 @@ def _take_turns(calls: dict, repeats: int):
 
 def _load_sampler(path: str):
     """Another version of serving/sample/sampler.py as a module of its own. It registers
-    serving.structured_output.grammar.TokenMask as a pytree again, which is already done:
+    serving.structured_output.token_mask.TokenMask as a pytree again, which is already done:
     skipped."""
     import importlib.util
     from unittest import mock
 
     import jax
 
-    from serving.structured_output.grammar import TokenMask
+    from serving.structured_output.token_mask import TokenMask
     spec = importlib.util.spec_from_file_location("baseline_sampler", path)
     assert spec is not None and spec.loader is not None, path
     module = importlib.util.module_from_spec(spec)
@@ -547,13 +666,16 @@ def _load_sampler(path: str):
 def main(argv=None) -> dict:
     args = parse_args(argv)
     report: dict = {"args": vars(args)}
-    if not (args.host_only or args.skip_vocab):
-        report["vocab_work"] = vocab_work(args)
-        print(json.dumps(report["vocab_work"]), file=sys.stderr, flush=True)
-    if not args.skip_engine:
-        report.update(fake_device_runs(args))
-        if not (args.skip_real or args.host_only):
-            report["tiny_model_cpu"] = real_model(args)
+    if args.server:
+        report["server"] = server_runs(args)
+    else:
+        if not (args.host_only or args.skip_vocab):
+            report["vocab_work"] = vocab_work(args)
+            print(json.dumps(report["vocab_work"]), file=sys.stderr, flush=True)
+        if not args.skip_engine:
+            report.update(fake_device_runs(args))
+            if not (args.skip_real or args.host_only):
+                report["tiny_model_cpu"] = real_model(args)
     text = json.dumps(report, indent=1)
     print(text)
     if args.out:

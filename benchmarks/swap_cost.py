@@ -4,7 +4,7 @@ preemption by swap vs by recompute with identical greedy outputs. Prints one JSO
     PYTHONPATH=. python benchmarks/swap_cost.py [--model DIR] [--out FILE]
 
 1. `copies`: with the engine's own cache, `--pages` pages copied to the host and back
-   (`HostKVStore.save` / `load`, blocked on), GB/s each way, and the memory kind the
+   (`SwapStore.save` / `load`, blocked on), GB/s each way, and the memory kind the
    host copies live in (`pinned_host`).
 2. `preemption`: the same long prompts through `LLM` with a KV pool too small for them,
    once with `swap_space=0` (recompute) and once with swap (`swap_min_tokens=0`):
@@ -50,7 +50,7 @@ def engine_args(args, **extra) -> dict:
 
 def time_copies(llm: LLM, counts: list[int]) -> dict:
     engine = llm.llm_engine
-    store, runner = engine.host_kv, engine.runner
+    store, runner = engine.swap_store, engine.runner
     out = {"bytes_per_page": engine.bytes_per_page}
     for n in counts:
         pages = list(range(1, n + 1))
