@@ -73,7 +73,7 @@ def stage_env(emit, args, arm):
     del arm
     import jax
 
-    from serving.executor.step_lowering import cuda_lowering_error
+    from pallas_kernels.cuda_lowering import cuda_lowering_error
     device = jax.devices()[0]
     emit("env", python=platform.python_version(), jax=jax.__version__,
          backend=jax.default_backend(), devices=[d.device_kind for d in jax.devices()],
@@ -169,7 +169,7 @@ def stage_engine(emit, args, arm):
 
     from serving.engine.config import engine_config_from_kwargs
     from serving.engine.llm_engine import LLMEngine
-    from serving.executor import step_lowering as step_hlo
+    from serving.executor import step_lowering
 
     kwargs = engine_kwargs(args)
     started = time.time()
@@ -182,14 +182,14 @@ def stage_engine(emit, args, arm):
          quantization=args.quantization or "none",
          weight_gb=round(_weight_bytes(engine) / 1e9, 3),
          memory=getattr(device, "memory_stats", lambda: None)())
-    weight_shapes = step_hlo.per_layer_weight_shapes(engine.runner)
+    weight_shapes = step_lowering.per_layer_weight_shapes(engine.runner)
 
     def compiled(bucket, executable, seconds):
         memory = executable.memory_analysis()
         emit("engine", bucket=bucket, compile_s=round(seconds, 1),
              temp_mb=round(memory.temp_size_in_bytes / 2**20),
              argument_mb=round(memory.argument_size_in_bytes / 2**20),
-             ops=step_hlo.compiled_counts(executable.as_text(), weight_shapes))
+             ops=step_lowering.compiled_counts(executable.as_text(), weight_shapes))
 
     seconds = engine.runner.precompile(engine.bucket_pairs, progress=False, on_compiled=compiled)
     emit("engine", compile_all_s=round(seconds, 1), total_s=round(time.time() - started, 1))

@@ -13,7 +13,7 @@ import argparse
 import json
 import sys
 
-from serving.executor import step_lowering as step_hlo
+from serving.executor import step_lowering
 
 
 def main(argv=None):
@@ -25,17 +25,17 @@ def main(argv=None):
     parser.add_argument("--kv-cache-dtype", default="auto")
     parser.add_argument("--max-model-len", type=int, default=1280)
     args = parser.parse_args(argv)
-    runner = step_hlo.abstract_runner(args.model, impl=args.impl,
+    runner = step_lowering.abstract_runner(args.model, impl=args.impl,
                                       kv_cache_dtype=args.kv_cache_dtype,
                                       max_model_len=args.max_model_len)
     buckets = [tuple(int(n) for n in b.split("x")) for b in args.buckets.split(",")]
     for bucket in buckets:
         print(json.dumps({"model": args.model, "impl": args.impl,
                           "kv_cache_dtype": args.kv_cache_dtype,
-                          **step_hlo.summary(runner, bucket)}), flush=True)
+                          **step_lowering.summary(runner, bucket)}), flush=True)
     vocab = runner.state["embed_tokens"].shape[0]
     for num_seqs in sorted({s for _, s in buckets}):
-        print(json.dumps({"sampler": step_hlo.sampler_summary(num_seqs, vocab,
+        print(json.dumps({"sampler": step_lowering.sampler_summary(num_seqs, vocab,
                                                               args.max_model_len)}), flush=True)
 
 

@@ -10,12 +10,15 @@ rest of the step (embedding, step-wide plans, lm head, sampler).
 from __future__ import annotations
 
 import collections
+import contextlib
 import dataclasses
 import re
 
 import jax
 import jax.numpy as jnp
 import numpy as np
+
+from pallas_kernels.cuda_lowering import cuda_lowering_context
 
 # Ops that cost a kernel launch (or a loop of them) on a GPU; elementwise ops, reshapes
 # and constants fuse into their neighbours.
@@ -42,27 +45,6 @@ def _ir():
     return ir
 
 
-def cuda_lowering_error() -> str | None:
-    """None when this jax can lower a Triton Pallas kernel for CUDA here, else the reason.
-
-    jax 0.10.x does it on a CPU-only machine (CI); later versions may need a GPU to pick
-    the Triton target."""
-    from jax.experimental import pallas as pl
-    from jax.experimental.pallas import triton as pltriton
-
-    def copy(x_ref, o_ref):
-        o_ref[...] = x_ref[...]
-
-    spec = jax.ShapeDtypeStruct((16,), jnp.float32)
-    call = pl.pallas_call(copy, out_shape=spec,
-                          compiler_params=pltriton.CompilerParams(num_warps=1, num_stages=1))
-    try:
-        jax.jit(call).trace(spec).lower(lowering_platforms=("cuda",))
-    except Exception as e:  # noqa: BLE001 - any failure means: cannot lower here
-        return f"{type(e).__name__}: {str(e)[:200]}"
-    return None
-
-
 def abstract_runner(model: str = "qwen3-30b-a3b", *, dtype: str = "bfloat16",
                     impl: str = "pallas", kv_cache_dtype: str = "auto",
                     max_model_len: int = 1280, page_size: int = 16, num_pages: int = 5200,
@@ -85,11 +67,18 @@ def abstract_runner(model: str = "qwen3-30b-a3b", *, dtype: str = "bfloat16",
                        pages_per_seq=-(-max_model_len // page_size))
 
 
+def _lowering(platforms):
+    """Where the lowering targets CUDA, an H200 as the abstract device (the Triton
+    kernels read its compute capability from it on jax 0.11+; a GPU need not be here)."""
+    return cuda_lowering_context() if "cuda" in platforms else contextlib.nullcontext()
+
+
 def lower_step(runner, bucket: tuple[int, int], platforms=("cuda",)):
     """jax.stages.Lowered of the runner's jitted step for one (T, S) bucket."""
-    return runner._step.trace(runner.state, runner.kv_caches,
-                              *runner._abstract_args(bucket)).lower(
-                                  lowering_platforms=tuple(platforms))
+    args = runner._abstract_args(bucket)
+    with _lowering(platforms):
+        return runner._step.trace(runner.state, runner.kv_caches, *args).lower(
+            lowering_platforms=tuple(platforms))
 
 
 def stacked_weight_types(runner) -> set[tuple[tuple[int, ...], str]]:
@@ -276,8 +265,9 @@ def sampler_summary(num_seqs: int, vocab: int, max_model_len: int, *,
 
     sampling = jax.tree.map(lambda x: jax.ShapeDtypeStruct(np.shape(x), np.asarray(x).dtype),
                             padding_sampling(num_seqs, max_model_len, vocab))
-    lowered = jax.jit(sample).trace(jax.ShapeDtypeStruct((num_seqs, vocab), jnp.float32),
-                                    sampling).lower(lowering_platforms=tuple(platforms))
+    with _lowering(platforms):
+        lowered = jax.jit(sample).trace(jax.ShapeDtypeStruct((num_seqs, vocab), jnp.float32),
+                                        sampling).lower(lowering_platforms=tuple(platforms))
     module = StepModule(lowered)
     counter: collections.Counter[str] = collections.Counter()
     ops = module.main.regions[0].blocks[0].operations

@@ -4,11 +4,7 @@ place by a kernel, the layer body stays under its heavy-op ceiling, fp8 caches l
 
 import pytest
 
-from serving.executor import step_lowering as step_hlo
-from tests.helpers.lowering import cuda_lowering_error
-
-pytestmark = pytest.mark.skipif(cuda_lowering_error() is not None,
-                                reason=f"cannot lower for CUDA here: {cuda_lowering_error()}")
+from serving.executor import step_lowering
 
 # Batch-1 decode (attention split across programs), 64 decodes, a 2k-token prefill.
 BUCKETS = [(8, 4), (64, 64), (2048, 64)]
@@ -20,7 +16,7 @@ PER_LAYER_CEILING = 19
 
 @pytest.fixture(scope="module")
 def runner():
-    return step_hlo.abstract_runner("qwen3-30b-a3b", impl="pallas")
+    return step_lowering.abstract_runner("qwen3-30b-a3b", impl="pallas")
 
 
 def _check_weights_read_whole(reads):
@@ -36,24 +32,24 @@ def _check_weights_read_whole(reads):
 
 @pytest.mark.parametrize("bucket", BUCKETS)
 def test_every_weight_is_read_whole_by_a_kernel(runner, bucket):
-    _check_weights_read_whole(step_hlo.weight_reads(runner, bucket))
+    _check_weights_read_whole(step_lowering.weight_reads(runner, bucket))
 
 
 def test_dense_mlp_weights_too():
-    dense = step_hlo.abstract_runner("qwen3-0.6b", impl="pallas", max_model_len=512)
-    _check_weights_read_whole(step_hlo.weight_reads(dense, (64, 8)))
+    dense = step_lowering.abstract_runner("qwen3-0.6b", impl="pallas", max_model_len=512)
+    _check_weights_read_whole(step_lowering.weight_reads(dense, (64, 8)))
 
 
 def test_the_check_sees_per_layer_slices_where_they_exist():
     # The reference path slices w[layer] for XLA dots: exactly what the check refuses.
-    reads = step_hlo.weight_reads(step_hlo.abstract_runner(impl="reference"), (8, 4))
+    reads = step_lowering.weight_reads(step_lowering.abstract_runner(impl="reference"), (8, 4))
     assert reads["sliced_reads"] and not reads["whole"]
     assert {op for op, _, _ in reads["sliced_reads"]} == {"stablehlo.dot_general"}
 
 
 @pytest.mark.parametrize("bucket", BUCKETS)
 def test_heavy_ops_per_layer_stay_under_the_ceiling(runner, bucket):
-    summary = step_hlo.summary(runner, bucket)
+    summary = step_lowering.summary(runner, bucket)
     assert summary["layers_per_segment"] == [48]
     assert summary["per_layer_heavy"][0] <= PER_LAYER_CEILING, summary
     by_op = summary["per_layer_heavy_by_op"][0]
@@ -66,11 +62,11 @@ def test_heavy_ops_per_layer_stay_under_the_ceiling(runner, bucket):
 
 @pytest.mark.parametrize("kv_cache_dtype,stored", [("fp8", "f8E4M3FN"), ("fp8_e5m2", "f8E5M2")])
 def test_fp8_cache_step_lowers_with_the_kernels(kv_cache_dtype, stored):
-    fp8 = step_hlo.abstract_runner(impl="pallas", kv_cache_dtype=kv_cache_dtype)
-    text = step_hlo.lower_step(fp8, (8, 4)).as_text()
+    fp8 = step_lowering.abstract_runner(impl="pallas", kv_cache_dtype=kv_cache_dtype)
+    text = step_lowering.lower_step(fp8, (8, 4)).as_text()
     assert f"tensor<249600x16x4x128x{stored}>" in text  # the donated cache
     assert text.count("xla.gpu.triton(") == 7
-    _check_weights_read_whole(step_hlo.weight_reads(fp8, (8, 4)))
+    _check_weights_read_whole(step_lowering.weight_reads(fp8, (8, 4)))
 
 
 @pytest.mark.parametrize("quantization,stored", [
@@ -79,14 +75,14 @@ def test_quantized_weights_enter_the_kernels_whole(quantization, stored):
     # Qwen3-30B-A3B with every projection and expert quantised as that format's checkpoint
     # holds them: the stored values, scales and zero points reach the kernels whole (no
     # per-layer slice, no dequantised copy), and the layer keeps its op count.
-    runner = step_hlo.abstract_runner("qwen3-30b-a3b", impl="pallas", quantization=quantization)
-    reads = step_hlo.weight_reads(runner, (8, 4))
+    runner = step_lowering.abstract_runner("qwen3-30b-a3b", impl="pallas", quantization=quantization)
+    reads = step_lowering.weight_reads(runner, (8, 4))
     _check_weights_read_whole(reads)
     quantized = {w for w in reads["whole"] if w[1] == stored}
     assert {(48, 128, 2048 // (2 if stored == "uint8" else 1), 2, 768),
             (48, 128, 768 // (2 if stored == "uint8" else 1), 2048)} <= {w[0] for w in quantized}
     assert any(w[0][:3] == (48, 128, 16 if quantization != "int8" else 1) for w in reads["whole"])
-    summary = step_hlo.summary(runner, (8, 4))
+    summary = step_lowering.summary(runner, (8, 4))
     assert summary["per_layer_heavy"][0] <= PER_LAYER_CEILING, summary
     assert "dot_general" not in summary["per_layer_heavy_by_op"][0]
 
@@ -95,9 +91,9 @@ def test_runtime_conditionals_are_the_samplers_and_fewer_for_cuda(runner):
     # On a GPU each conditional a step runs reads its predicate back to the host (the
     # dispatch thread waits there, the device's queue drains): none in the layers; the
     # step's are the sampler's, whose one-or-two-pass branches run behind selects there.
-    summary = step_hlo.summary(runner, (8, 4))
+    summary = step_lowering.summary(runner, (8, 4))
     assert summary["per_layer_conditionals"] == [0]
-    cuda = step_hlo.sampler_summary(4, 151936, 1280)["conditionals"]
-    cpu = step_hlo.sampler_summary(4, 151936, 1280, platforms=("cpu",))["conditionals"]
+    cuda = step_lowering.sampler_summary(4, 151936, 1280)["conditionals"]
+    cpu = step_lowering.sampler_summary(4, 151936, 1280, platforms=("cpu",))["conditionals"]
     assert summary["outside_conditionals"] == cuda
     assert cuda <= cpu - 5
