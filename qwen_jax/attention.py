@@ -62,7 +62,7 @@ def step_context(meta: AttentionMetadata, positions, rope, *, dtype, num_q_heads
                  num_kv_heads, head_dim, rt: Runtime) -> StepContext:
     """rope: (inv_freq [H/2], scale). num_kv_heads: the cache's heads (K')."""
     num_tokens = positions.shape[0]
-    plan = pallas_kernels.ops(rt.impl).plan_attention(
+    plan = rt.kernels.plan_attention(
         meta.query_start, meta.kv_lens, meta.num_seqs, num_tokens=num_tokens,
         num_q_heads=num_q_heads, num_kv_heads=num_kv_heads, head_dim=head_dim)
     inv_freq, scale = rope
@@ -77,7 +77,7 @@ def matmul_op(rt: Runtime):
     XLA gather the weights onto every device)."""
     if rt.mesh is not None:
         return pallas_kernels.stacked_matmul_reference
-    return pallas_kernels.ops(rt.impl).stacked_matmul
+    return rt.kernels.stacked_matmul
 
 
 def kv_scales(pages) -> jax.Array | None:
@@ -90,7 +90,7 @@ def kv_scales(pages) -> jax.Array | None:
 def paged_attention(q, k, v, kv_cache, ctx: StepContext, page_offset, sm_scale, rt: Runtime):
     """Write this step's K/V into the layer's pages, then attend. q: [T, N, H]; k, v:
     [T, K', H] with K' the cache's heads. Under a mesh each device does its own heads."""
-    ops = pallas_kernels.ops(rt.impl)
+    ops = rt.kernels
 
     def local(q, k, v, k_cache, v_cache, slots, page_table, kv_lens, query_start, num_seqs,
               plan):

@@ -22,6 +22,8 @@ import jax.numpy as jnp
 from flax import nnx
 from jax.sharding import Mesh
 
+import pallas_kernels
+from pallas_kernels.choices import KernelTable, chosen
 from pallas_kernels.quantized import QuantizedWeight, dequantize, stored_shapes
 from qwen_jax.quantization import WeightFormat
 
@@ -30,10 +32,20 @@ INIT_STD = 0.02
 
 @dataclasses.dataclass(frozen=True)
 class Runtime:
-    """Static choices of one compiled forward: kernel implementation and device mesh."""
+    """Static choices of one compiled forward: kernel implementation, per-shape kernel
+    choices (the device probe's table; pallas_kernels/choices.py) and device mesh."""
 
-    impl: str = "reference"  # "pallas" | "reference"
+    impl: str = "reference"  # "pallas" | "mosaic" | "reference"
     mesh: Mesh | None = None  # None: one device, no shard_map
+    kernel_table: KernelTable | None = None  # None: `impl` at every shape
+
+    @property
+    def kernels(self) -> pallas_kernels.Ops:
+        """The kernel entry points of this forward."""
+        kernels = pallas_kernels.ops(self.impl)
+        if self.kernel_table is None or kernels.impl == "reference":
+            return kernels
+        return chosen(kernels, self.kernel_table)
 
 
 def init_param(rngs: nnx.Rngs | None, shape: tuple[int, ...], dtype, std: float = INIT_STD,

@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+import dataclasses
+
 import jax
 import jax.numpy as jnp
 import numpy as np
@@ -149,6 +151,11 @@ class Qwen3ForCausalLM(nnx.Module):
     @property
     def mesh(self):
         return self.runtime.mesh
+
+    def use_kernel_table(self, table) -> None:
+        """Run each op's implementation per shape as `table` (a KernelTable) says; None:
+        the model's impl everywhere. Set before the step is traced."""
+        self.runtime = dataclasses.replace(self.runtime, kernel_table=table)
 
     @property
     def num_cache_kv_heads(self) -> int:

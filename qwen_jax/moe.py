@@ -190,7 +190,7 @@ class SparseMoE(nnx.Module):
         """x: [T, D]; valid: bool[T]; layer: int32[] index into the stacks -> [T, D]."""
         logits = matmul_op(rt)(x, (self.gate[...],), layer, out_dtype=jnp.float32)
         weights, ids = route_logits(logits, self.top_k, self.norm_topk_prob)  # [T, k]
-        gmm = pallas_kernels.ops(rt.impl).grouped_matmul
+        gmm = rt.kernels.grouped_matmul
         gate_up = stored_weight(self, "gate_up_proj", self.gate_up_quant, pair=True)
         down = stored_weight(self, "down_proj", self.down_quant)
         gather_ok = rt.impl == "reference"

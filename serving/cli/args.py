@@ -22,8 +22,12 @@ def add_engine_args(parser: argparse.ArgumentParser) -> None:
                    help="checkpoint directory or preset name (default: the embedded tiny model)")
     g.add_argument("--tokenizer", default=None, help="tokenizer directory (default: the model's)")
     g.add_argument("--dtype", default="auto", choices=("auto", *PARAM_DTYPES))
-    g.add_argument("--impl", default="auto", choices=("auto", "pallas", "reference"),
-                   help="kernels: pallas on GPU, jnp reference elsewhere (auto)")
+    g.add_argument("--impl", default="auto", choices=("auto", "pallas", "mosaic", "reference"),
+                   help="kernels: pallas (Triton) on GPU, jnp reference elsewhere (auto); "
+                        "mosaic: Mosaic GPU kernels where they apply")
+    g.add_argument("--kernel-table", default=None, metavar="FILE",
+                   help="the device probe's kernel_table.json: each op's fastest kernel per "
+                        "shape (default: --impl everywhere)")
     g.add_argument("--load-format", default="auto", choices=LOAD_FORMATS)
     g.add_argument("--quantization", "-q", default=None, choices=QUANTIZATION_METHODS,
                    help="weights: fp8 / awq checkpoints load quantised without it; fp8 | int8 "
@@ -123,12 +127,13 @@ SCHEDULING_ARG_NAMES = (
     "kv_plan_limit", "degrade_kv_usage", "degrade_after", "restore_kv_usage", "restore_after",
     "degraded_token_fraction", "swap_space", "swap_min_tokens")
 ENGINE_ARG_NAMES = (
-    "tokenizer", "dtype", "impl", "load_format", "quantization", "seed", "max_num_seqs",
-    "max_num_batched_tokens", "max_model_len", "block_size", "num_gpu_blocks_override",
-    "gpu_memory_utilization", "kv_cache_dtype", "enable_prefix_caching",
-    "max_waiting", "token_buckets", "seq_buckets", "async_scheduling", "stream_interval",
-    "compilation_cache_dir", "precompile", "tensor_parallel_size", "expert_parallel_size",
-    "data_parallel_size", "generation_config", *SCHEDULING_ARG_NAMES)
+    "tokenizer", "dtype", "impl", "kernel_table", "load_format", "quantization", "seed",
+    "max_num_seqs", "max_num_batched_tokens", "max_model_len", "block_size",
+    "num_gpu_blocks_override", "gpu_memory_utilization", "kv_cache_dtype",
+    "enable_prefix_caching", "max_waiting", "token_buckets", "seq_buckets",
+    "async_scheduling", "stream_interval", "compilation_cache_dir", "precompile",
+    "tensor_parallel_size", "expert_parallel_size", "data_parallel_size",
+    "generation_config", *SCHEDULING_ARG_NAMES)
 
 
 def engine_kwargs(args: argparse.Namespace) -> dict:

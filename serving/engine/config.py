@@ -24,6 +24,9 @@ class EngineConfig:
     tokenizer: str | None = None  # defaults to the model directory
     dtype: str = "auto"  # auto: float32 on CPU, the checkpoint's dtype (bf16) on GPU
     impl: str = "auto"  # kernels: auto = pallas on GPU, reference elsewhere
+    # The device probe's kernel_table.json: the implementation per op and shape (the
+    # Triton or Mosaic GPU kernel, XLA's ragged_dot); None: `impl` at every shape.
+    kernel_table: str | None = None
     load_format: str = "auto"
     # None: the checkpoint's own (fp8 / AWQ checkpoints load quantised); fp8 | int8:
     # quantise a float checkpoint at load; must match a quantised checkpoint's method.

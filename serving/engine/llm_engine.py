@@ -8,6 +8,7 @@ import time
 import jax
 import numpy as np
 
+from pallas_kernels.choices import KernelTable
 from qwen_jax.model import Qwen3ForCausalLM
 from qwen_jax.weights import DEFAULT_MODEL_DIR, resolve_model_path
 from serving.core.request import (
@@ -65,6 +66,8 @@ class LLMEngine:
             self.model_path, engine_setup.model_dtype(config),
             impl=engine_setup.model_impl(config), load_format=config.load_format,
             seed=config.seed, mesh=self.mesh, quantization=config.quantization)
+        if config.kernel_table:
+            self.model.use_kernel_table(KernelTable.load(config.kernel_table))
         self.load_seconds = time.perf_counter() - started
         self.model_config = self.model.config
         self.tokenizer = engine_setup.load_tokenizer(config, self.model_path)

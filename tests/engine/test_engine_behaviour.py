@@ -239,6 +239,17 @@ def test_unknown_kv_cache_dtype_names_the_choices(tiny_ckpt):
         LLM(str(tiny_ckpt[0]), kv_cache_dtype="int4", precompile=False, **ENGINE_ARGS)
 
 
+def test_a_kernel_table_is_read_at_load_and_a_bad_one_named(tiny_ckpt, tmp_path):
+    with pytest.raises(ValueError, match="kernel_table: .*none.json' is not a file"):
+        LLM(str(tiny_ckpt[0]), kernel_table=str(tmp_path / "none.json"), precompile=False,
+            **ENGINE_ARGS)
+    table = tmp_path / "kernel_table.json"
+    table.write_text('{"grouped_matmul": {"64": "xla", "4096": "mosaic"}}')
+    llm = LLM(str(tiny_ckpt[0]), kernel_table=str(table), precompile=False, **ENGINE_ARGS)
+    assert llm.llm_engine.model.runtime.kernel_table.to_dict() == {
+        "grouped_matmul": {"64": "xla", "4096": "mosaic"}}
+
+
 def run_engine(engine, requests, steps=None):
     """Adds (request_id, prompt, params) to `engine` and steps it until they finish;
     returns each request's outputs in order (and appends each step's stats to `steps`)."""
