@@ -1,6 +1,7 @@
 """OpenAI-shaped API errors (pure Python): a client's mistake or an overload becomes an
 `APIError`, which the server answers with OpenAI's error JSON. A module of its own so the
-request parsers (openai_protocol, openai_structured) share it without importing each other."""
+request parsers (protocol.py, structured_requests.py) share it without importing each
+other."""
 
 from __future__ import annotations
 

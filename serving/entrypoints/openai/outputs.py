@@ -241,7 +241,7 @@ class Job:
         """SSE events for what `output` (DELTA) adds to prompt p's choices. A chunk that
         holds only text (no role, reasoning, tool calls, logprobs or finish: nearly every
         chunk of a stream) is its choice's template with the text put in: building and
-        encoding the whole chunk cost 2.5-4x as much (docs/benchmarks.md)."""
+        encoding the whole chunk cost 2.5-4x as much (measured: git commit 53afd37)."""
         out = []
         plain = self.req.logprobs is None  # no logprobs asked: every chunk's are null
         for index, c, num_chars in self.add(p, output):
