@@ -4,8 +4,9 @@ Token buckets start at 8 and double up to 128: steps that small are bound by rea
 weights, so their padding rows cost little. Above 128 they grow by 1.5x and 2x in turn
 (192, 256, 384, 512, 768, ...): a step pads by at most a third, and mixed prefill/decode
 workloads pad about 15% of their rows where powers of two pad about 29% (measured over
-the real scheduler's steps; git commit ba1f809). Sequence buckets start at 4: at batch sizes below 4 the
-step is bound by reading the weights, so S=1 and S=2 would only add compiles. From 256
+the real scheduler's steps; git commit ba1f809). Sequence buckets start at 4: at batch
+sizes below 4 the step is bound by reading the weights, so S=1 and S=2 would only add
+compiles. From 256
 tokens on a step compiles with one sequence bucket only, the largest it can need: its
 cost is its tokens, and padding sequences add only rows of logits.
 """
