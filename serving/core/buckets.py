@@ -6,9 +6,8 @@ weights, so their padding rows cost little. Above 128 they grow by 1.5x and 2x i
 workloads pad about 15% of their rows where powers of two pad about 29% (measured over
 the real scheduler's steps; git commit ba1f809). Sequence buckets start at 4: at batch
 sizes below 4 the step is bound by reading the weights, so S=1 and S=2 would only add
-compiles. From 256
-tokens on a step compiles with one sequence bucket only, the largest it can need: its
-cost is its tokens, and padding sequences add only rows of logits.
+compiles. From 256 tokens on a step compiles with one sequence bucket only, the largest
+it can need: its cost is its tokens, and padding sequences add only rows of logits.
 """
 
 from __future__ import annotations
