@@ -1,7 +1,10 @@
 """Pallas GPU kernels for the serving engine, each with a plain-jnp reference twin.
 
-`ops(impl)` picks one implementation of every op; `default_impl()` is "pallas" on GPU
-backends and "reference" elsewhere.
+`ops(impl)` picks one implementation of every op (impl.py says which runs where);
+`default_impl()` is "pallas" (Triton kernels) on GPU backends and "reference" elsewhere.
+Mosaic GPU variants sit beside the Triton kernels (`<op>/mosaic.py`), an XLA ragged_dot
+grouped matmul in grouped_matmul/xla.py; cuda_lowering.py lowers any of them for CUDA
+on a machine without a GPU.
 """
 
 from pallas_kernels.grouped_matmul import (

@@ -11,6 +11,11 @@ For a MoE layer the kernel also reads its rows through `lhs_rows` (the token of 
 expert-sorted pair: no gathered copy of the tokens), stores them through `out_rows` (back
 in (token, slot) order: no scatter), and takes the layer's weights from the whole
 stacked `[X, G, K, N]` array with a `layer` index, so no per-layer slice is copied.
+
+Where it runs: every grouped matmul of impl "pallas" on a GPU, and under impl "mosaic"
+the calls the Mosaic GPU kernel (mosaic.py) leaves: decode-sized plans, quantised
+weights, fp32. It is the only implementation that reads every weight format in place.
+On a CPU it runs only with `interpret=True` (the tests).
 """
 
 import functools
@@ -23,7 +28,7 @@ from jax.typing import ArrayLike
 
 from pallas_kernels.array_types import Array, Float, Int
 from pallas_kernels.grouped_matmul import tuning
-from pallas_kernels.grouped_matmul.plan import GroupPlan, group_ends_of, plan_groups
+from pallas_kernels.grouped_matmul.plan import GroupPlan, group_ends_of, plan_groups, plan_width
 from pallas_kernels.quantized import (
     QuantizedWeight,
     at,
@@ -34,18 +39,14 @@ from pallas_kernels.quantized import (
     weight_finish,
 )
 
-_NO_ITEM = 2**30  # past any item id: pads the plan's vector load
-
 
 def _locate(tiles_cum_ref, ends_ref, item, *, num_rows, block_m):
     """Segment of work item `item`: (tile start row, first row, end row, group).
 
     group == G is the padding segment; group == G + 1 an unused item (no rows)."""
     num_groups = ends_ref.shape[0]
-    width = 1 << num_groups.bit_length()                    # >= G + 1, a power of two
-    ids = jnp.arange(width, dtype=jnp.int32)
-    cum = pltriton.load(tiles_cum_ref.at[pl.ds(0, width)], mask=ids <= num_groups,
-                        other=_NO_ITEM)                                    # [G+1 -> pow2]
+    # The plan is padded to the loaded width with NO_ITEM: a whole-ref load, no mask.
+    cum = tiles_cum_ref[pl.ds(0, plan_width(num_groups))]                  # [pow2 >= G+1]
     seg = jnp.sum((cum <= item).astype(jnp.int32))
     before = jnp.where(seg > 0, tiles_cum_ref[jnp.clip(seg - 1, 0, num_groups)], 0)
     start = jnp.where(seg > 0, ends_ref[jnp.clip(seg - 1, 0, num_groups - 1)], 0)
@@ -58,7 +59,7 @@ def _locate(tiles_cum_ref, ends_ref, item, *, num_rows, block_m):
 
 def _grouped_matmul_kernel(*refs, layout, block_m, block_k, block_n, num_rows, gather_lhs,
                            scatter_out, precision):
-    # tiles_cum_ref: int32[G+1]; ends_ref: int32[G]; layer_ref: int32[1]
+    # tiles_cum_ref: int32[plan_width(G)]; ends_ref: int32[G]; layer_ref: int32[1]
     # lhs_rows_ref, out_rows_ref (optional): int32[M]; lhs_ref: [M', K]
     # rhs refs: values [X, G, K, N] (int4: [X, G, K/2, N]), then scales and zero points
     # when quantised; out_ref: [M, N]
@@ -108,8 +109,9 @@ def _grouped_matmul_kernel(*refs, layout, block_m, block_k, block_n, num_rows, g
 
 
 def check_grouped_matmul_args(lhs, rhs, group_sizes, *, layer=None, lhs_rows=None,
-                              out_rows=None, plan=None):
-    """Raises ValueError naming the argument, its shape and the expectation."""
+                              out_rows=None, plan=None, tiled=True):
+    """Raises ValueError naming the argument, its shape and the expectation; returns the
+    rows M. `tiled`: K and N must also fit the kernels' tiles (XLA's needs no tiles)."""
     if lhs.ndim != 2:
         raise ValueError(f"lhs has shape {tuple(lhs.shape)}, expected [M, K]")
     check_operand("rhs", rhs)
@@ -132,7 +134,8 @@ def check_grouped_matmul_args(lhs, rhs, group_sizes, *, layer=None, lhs_rows=Non
             raise ValueError(f"{name} has shape {tuple(rows.shape)}, expected ({num_rows},)")
     if plan is not None and plan.num_rows != num_rows:
         raise ValueError(f"plan covers {plan.num_rows} rows, expected {num_rows}")
-    for name, dim in (("lhs's K", lhs.shape[1]), ("rhs's N", rhs.shape[-1])):
+    dims = (("lhs's K", lhs.shape[1]), ("rhs's N", rhs.shape[-1])) if tiled else ()
+    for name, dim in dims:
         if dim % 16:
             raise ValueError(f"{name} is {dim}, expected a multiple of 16 (Triton tiles)")
     return num_rows

@@ -10,6 +10,17 @@ import dataclasses
 import jax
 import jax.numpy as jnp
 
+# Past any work item id: the padding of `tiles_cum` (no item falls in a padded segment).
+NO_ITEM = 2**30
+
+
+def plan_width(num_groups: int) -> int:
+    """Entries of `tiles_cum`: G + 1 rounded up to a power of two. The kernel loads them
+    all as one vector (Triton vectors are powers of two), and a load past a ref's end
+    fails to trace from jax 0.12 on (0.11 skipped the bounds check for a start of 0), so
+    the plan holds them all."""
+    return 1 << num_groups.bit_length()
+
 
 @jax.tree_util.register_dataclass
 @dataclasses.dataclass(frozen=True)
@@ -21,7 +32,9 @@ class GroupPlan:
     """
 
     ends: jax.Array       # int32[G]: row where each group ends, clipped to num_rows
-    tiles_cum: jax.Array  # int32[G+1]: work items of segments 0..s, cumulated
+    # int32[plan_width(G)]: work items of segments 0..s cumulated (G + 1 of them), then
+    # NO_ITEM up to the power of two the kernel loads.
+    tiles_cum: jax.Array
     num_rows: int = dataclasses.field(metadata=dict(static=True))
     block_m: int = dataclasses.field(metadata=dict(static=True))
 
@@ -48,8 +61,10 @@ def plan_groups(ends, *, num_rows: int, block_m: int) -> GroupPlan:
     seg_start = jnp.concatenate([jnp.zeros((1,), jnp.int32), ends])        # [G+1]
     tiles = jnp.where(seg_end > seg_start,
                       (seg_end - 1) // block_m - seg_start // block_m + 1, 0)
-    return GroupPlan(ends=ends, tiles_cum=jnp.cumsum(tiles).astype(jnp.int32),
-                     num_rows=num_rows, block_m=block_m)
+    tiles_cum = jnp.cumsum(tiles).astype(jnp.int32)                        # [G+1]
+    pad = plan_width(ends.shape[0]) - tiles_cum.shape[0]
+    tiles_cum = jnp.pad(tiles_cum, (0, pad), constant_values=NO_ITEM)      # [width]
+    return GroupPlan(ends=ends, tiles_cum=tiles_cum, num_rows=num_rows, block_m=block_m)
 
 
 def group_ends_of(group_sizes, num_rows: int):

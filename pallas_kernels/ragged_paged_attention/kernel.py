@@ -5,6 +5,10 @@ per step, see plan.py), times one kv head; each program gathers its keys page by
 through the page table and runs an online softmax in fp32. One extra segment covers the
 padding rows so they are written as zeros without touching the cache. Decode steps of
 few sequences also split each item's keys across programs (split.py).
+
+Where it runs: all attention of impl "pallas" on a GPU, and under impl "mosaic" every
+decode step, fp8/int8 pages, fp32 and, on jax 0.10, everything (mosaic.py's
+`mosaic_unsupported_reason`). On a CPU only with `interpret=True` (the tests).
 """
 
 import functools

@@ -6,6 +6,9 @@ dynamic slice feeding a custom call or a cuBLAS gemm is a copy of the layer's we
 Several weights that read the same `x` (q, k and v; gate and up) share one launch: a
 column block belongs to one weight, picked with `pl.when`, and the outputs are
 concatenated along N.
+
+Where it runs: impl "pallas" and "mosaic" alike on a GPU (no Mosaic GPU variant has
+been written); on a CPU only with `interpret=True` (the tests).
 """
 
 import functools

@@ -112,3 +112,26 @@ def run_interpreted():
 
 
 INTERPRET = run_interpreted()
+
+
+def passed_whole(text: str, tensor_type: str) -> bool:
+    """Whether every line of a lowered module that mentions `tensor_type` (an operand's
+    type, e.g. "tensor<48x128x2048x1536xbf16>") is a function signature or a call: the
+    array reaches the kernel as it is, never sliced, gathered or copied by XLA."""
+    lines = [line for line in text.splitlines() if tensor_type in line]
+    return bool(lines) and all("func.func" in line or "call @" in line for line in lines)
+
+
+def record_tma_stores(monkeypatch) -> list:
+    """The row counts of the Mosaic GPU kernels' TMA stores traced from now on (appended
+    to the returned list as they are traced)."""
+    from pallas_kernels import mosaic_support
+
+    rows, copy = [], mosaic_support.plgpu.copy_smem_to_gmem
+
+    def recording(src, dst, *args, **kwargs):
+        rows.append(dst.shape[0])
+        return copy(src, dst, *args, **kwargs)
+
+    monkeypatch.setattr(mosaic_support.plgpu, "copy_smem_to_gmem", recording)
+    return rows

@@ -16,6 +16,8 @@ from pallas_kernels import grouped_matmul, grouped_matmul_reference, plan_groups
 from pallas_kernels.cuda_lowering import lower_for_cuda
 from pallas_kernels.grouped_matmul import group_ends_of
 from pallas_kernels.grouped_matmul.plan import NO_ITEM, plan_width
+from pallas_kernels.grouped_matmul.xla import grouped_matmul_xla
+from pallas_kernels.quantized import quantize
 
 # Sizes chosen against 16-row tiles: empty groups, groups inside one tile, a group
 # spanning several tiles, unaligned boundaries, and trailing rows past sum(sizes).
@@ -207,3 +209,37 @@ def test_tiles_per_case():
     prefill = tuning.matmul_blocks(num_rows=16384, num_groups=128, k=2048, n=1536)
     assert prefill.block_m == 64
     assert tuning.block_m_for(num_rows=16384, num_groups=128) == prefill.block_m
+
+
+@pytest.mark.parametrize("dtype", [np.float32, BF16], ids=["f32", "bf16"])
+def test_xla_ragged_dot_candidate_matches_the_reference(dtype):
+    # grouped_matmul_xla: the same arguments, through lax.ragged_dot over the layer's
+    # [G, K, N] weights; the MoE form (rows gathered and scattered back, a traced layer,
+    # a plan) and plain group sizes with padding rows past the groups.
+    rng = np.random.default_rng(11)
+    ids = rng.integers(0, 5, 26)  # 13 tokens x top-2 over 4 experts; 4 is padding
+    order = np.argsort(ids, kind="stable").astype(np.int32)
+    sizes = jnp.asarray(np.bincount(ids, minlength=5)[:4], jnp.int32)
+    x = rng.standard_normal((13, 24)).astype(dtype)  # K 24: XLA needs no 16-wide tiles
+    rhs = rng.standard_normal((3, 4, 24, 40)).astype(dtype)
+    plan = plan_groups(group_ends_of(sizes, 26), num_rows=26, block_m=16)
+    kwargs = dict(layer=jnp.int32(1), lhs_rows=order // 2, out_rows=order)
+    tol = 1e-4 if dtype == np.float32 else 2e-2
+    out = grouped_matmul_xla(x, rhs, plan=plan, interpret=True, block_n=64, **kwargs)
+    expected = grouped_matmul_reference(x, rhs, sizes, **kwargs)
+    assert out.shape == (26, 40) and out.dtype == x.dtype
+    np.testing.assert_allclose(as_float(out) / 5, as_float(expected) / 5, atol=tol, rtol=tol)
+    plain = grouped_matmul_xla(x, rhs[0], jnp.asarray([3, 0, 6, 2], jnp.int32))
+    np.testing.assert_allclose(
+        as_float(plain) / 5, as_float(grouped_matmul_reference(
+            x, rhs[0], jnp.asarray([3, 0, 6, 2], jnp.int32))) / 5, atol=tol, rtol=tol)
+    assert not np.any(as_float(plain)[11:]), "rows past the groups must be zero"
+
+
+def test_xla_candidate_refuses_quantised_weights_naming_rhs():
+    weight = quantize(jnp.ones((2, 32, 32), jnp.float32), "int8")
+    with pytest.raises(ValueError, match="rhs is a int8 QuantizedWeight"):
+        grouped_matmul_xla(jnp.ones((4, 32), jnp.bfloat16), weight, jnp.asarray([2, 2]))
+    with pytest.raises(ValueError, match="rhs has dtype int32"):
+        grouped_matmul_xla(jnp.ones((4, 32), jnp.bfloat16), jnp.ones((2, 32, 32), jnp.int32),
+                           jnp.asarray([2, 2]))

@@ -61,3 +61,20 @@ def test_ops_switches_every_entry_point():
     assert ops().impl == default_impl()
     with pytest.raises(ValueError, match="impl is 'triton'"):
         ops("triton")
+
+
+def test_mosaic_impl_takes_the_mosaic_kernels_and_keeps_triton_for_the_rest():
+    from pallas_kernels.grouped_matmul.mosaic import grouped_matmul_mosaic
+    from pallas_kernels.ragged_paged_attention.mosaic import (
+        plan_attention_mosaic,
+        ragged_paged_attention_mosaic,
+    )
+
+    kernels = ops("mosaic")
+    assert "mosaic" in pallas_kernels.IMPLS
+    assert kernels.grouped_matmul is grouped_matmul_mosaic
+    assert kernels.ragged_paged_attention is ragged_paged_attention_mosaic
+    assert kernels.plan_attention is plan_attention_mosaic
+    assert kernels.stacked_matmul is pallas_kernels.stacked_matmul
+    run = pallas_kernels.interpreted(kernels).grouped_matmul
+    assert run.func is grouped_matmul_mosaic and run.keywords == {"interpret": True}

@@ -21,6 +21,7 @@ from pallas_kernels import (
     stacked_matmul,
     stacked_matmul_reference,
 )
+from pallas_kernels.cuda_lowering import lower_for_cuda
 from pallas_kernels.grouped_matmul import group_ends_of
 from pallas_kernels.quantized import (
     QuantizedWeight,

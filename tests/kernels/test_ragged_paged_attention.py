@@ -17,8 +17,8 @@ from pallas_kernels import (
     ragged_paged_attention,
     ragged_paged_attention_reference,
 )
-from pallas_kernels.ragged_paged_attention import tuning
 from pallas_kernels.cuda_lowering import lower_for_cuda
+from pallas_kernels.ragged_paged_attention import tuning
 
 PAGE = 16
 # (q_len, kv_len): decodes at kv 1, a page boundary (16, 32) and one past it; a short

@@ -11,8 +11,8 @@ import pytest
 
 from kernel_cases import BF16, INTERPRET, as_float
 from pallas_kernels import stacked_matmul, stacked_matmul_reference
-from pallas_kernels.stacked_matmul import tuning
 from pallas_kernels.cuda_lowering import lower_for_cuda
+from pallas_kernels.stacked_matmul import tuning
 
 
 def _weights(rng, depth, widths, dtype, layers=3):
