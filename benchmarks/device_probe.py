@@ -31,6 +31,10 @@ stage always measures the grouped matmul with bf16, fp8 and int4 expert weights.
 
 --small: the embedded tiny model and tiny kernel shapes on the CPU, kernels interpreted:
 a dry run of every stage (its numbers mean nothing).
+
+Last, OUTDIR/kernel_table.json: the fastest kernel candidate per op and size among the
+attention and matmul stages' timings (Triton, Mosaic GPU, XLA's ragged_dot), which
+`qwen-jax serve --kernel-table` reads.
 """
 
 import argparse
@@ -456,8 +460,26 @@ def main(argv=None):
         if stage == "offline" and "engine" in args.stages:
             continue  # runs inside the engine's process
         run_stage("engine" if stage == "offline" else stage, args, emit, child_argv)
+    write_kernel_table(args.out, emit)
     emit("done")
     return 0
+
+
+def write_kernel_table(out, emit):
+    """OUT/kernel_table.json: the fastest measured implementation of each op at each
+    size (`qwen-jax serve --kernel-table OUT/kernel_table.json` runs it); none written
+    when no kernel stage timed a candidate."""
+    from pallas_kernels.choices import fastest
+
+    with open(os.path.join(out, "probe.jsonl")) as f:
+        rows = [json.loads(line) for line in f]
+    table = fastest(r for r in rows if r["stage"] in ("attention", "matmul") and "ms" in r)
+    if not table.entries:
+        return
+    path = os.path.join(out, "kernel_table.json")
+    with open(path, "w") as f:
+        json.dump(table.to_dict(), f, indent=1)
+    emit("kernel_table", path=path, table=table.to_dict())
 
 
 if __name__ == "__main__":

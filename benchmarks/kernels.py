@@ -3,15 +3,20 @@
 
 - check: each kernel against its jnp reference (relative error, bf16 tolerance 2e-2)
 - attention: decode HBM GB/s over the KV bytes read at 1 / 8 / 64 sequences of 1k
-  context; prefill TFLOP/s of a 2k-token chunk
+  context; prefill TFLOP/s of a 2k-token chunk, Triton and Mosaic GPU kernels
 - grouped matmul (the MoE call form: rows read through lhs_rows, stacked weights):
   GB/s over the weights of the experts actually touched at 1 / 8 / 64 decode tokens and
-  a 2k prefill, TFLOP/s over the real rows; jax.lax.ragged_dot beside it only up to
-  512 rows (XLA computes every group densely: seconds per call at 16k rows); the decode
+  a 2k prefill, TFLOP/s over the real rows, each candidate implementation (Triton;
+  Mosaic GPU at prefill sizes; XLA's ragged_dot only up to 512 rows: XLA computes every
+  group densely, seconds per call at 16k rows); the decode
   cases also with fp8 (128 x 128 blocks) and int4 (AWQ, groups of 128) expert weights:
   GB/s over their stored bytes, `vs_bf16` the speed-up, `rel_err` against the reference
 - stacked matmul (q/k/v in one launch, o_proj): weight GB/s at decode, TFLOP/s at prefill
 - KV page write: GB/s over the rows written
+
+Each timing of the attention and grouped matmul carries its `op`, `size` and `impl`:
+`pallas_kernels.choices.fastest` makes the kernel table of them (the device probe writes
+it to OUT/kernel_table.json; `qwen-jax serve --kernel-table` reads it).
 
 Off GPU the kernels run interpreted on tiny shapes (`--small`), only to prove the
 script works: those numbers mean nothing.
@@ -40,6 +45,7 @@ from pallas_kernels import (
     stacked_matmul_reference,
     write_kv_pages,
 )
+from pallas_kernels.choices import CANDIDATES
 from pallas_kernels.grouped_matmul import tuning as gmm_tuning
 from pallas_kernels.quantized import QuantizedWeight, quantize
 
@@ -152,21 +158,49 @@ def _check(name, out, ref):
 
 
 def attention(rng, shapes, interpret):
+    """Decode through the Triton kernel (the Mosaic one runs it there too); the prefill
+    chunk through each candidate of the kernel table (pallas_kernels/choices.py)."""
     sm_scale = shapes.head_dim ** -0.5
-    kernel = jax.jit(lambda *a: ragged_paged_attention(*a, sm_scale=sm_scale,
-                                                       interpret=interpret))
+    kernels = {impl: jax.jit(functools.partial(_attention_impl(impl), sm_scale=sm_scale,
+                                               interpret=interpret))
+               for impl in CANDIDATES["ragged_paged_attention"]}
     for num_seqs in shapes.decode_seqs:
         args = attention_case(rng, shapes, num_seqs=num_seqs, q_len=1, context=shapes.context)
-        seconds = timed(kernel, *args, iters=shapes.iters)
+        seconds = timed(kernels["pallas"], *args, iters=shapes.iters)
         kv_bytes = 2 * 2 * num_seqs * shapes.context * shapes.num_kv_heads * shapes.head_dim
         yield {"part": "attention", "name": f"decode_s{num_seqs}_ctx{shapes.context}",
+               "op": "ragged_paged_attention", "size": num_seqs, "impl": "pallas",
                "ms": seconds * 1e3, "hbm_gbps": kv_bytes / seconds / 1e9}
     n = shapes.prefill_tokens
     args = attention_case(rng, shapes, num_seqs=1, q_len=n, context=n)
-    seconds = timed(kernel, *args, iters=max(1, shapes.iters // 4))
     flops = 4 * n * (n + 1) / 2 * shapes.num_q_heads * shapes.head_dim  # QK^T, PV, causal
-    yield {"part": "attention", "name": f"prefill_{n}", "ms": seconds * 1e3,
-           "tflops": flops / seconds / 1e12}
+    for impl, kernel in kernels.items():
+        row = {"part": "attention", "name": f"prefill_{n}", "op": "ragged_paged_attention",
+               "size": n, "impl": impl}
+        try:
+            seconds = timed(kernel, *args, iters=max(1, shapes.iters // 4))
+        except Exception as e:  # noqa: BLE001 - a candidate that fails is reported, not fatal
+            yield {**row, "error": f"{type(e).__name__}: {str(e)[:500]}"}
+            continue
+        yield {**row, "ms": seconds * 1e3, "tflops": flops / seconds / 1e12,
+               "rel_err": rel_err(kernel(*args), kernels["pallas"](*args))}
+
+
+def _attention_impl(impl):
+    if impl == "pallas":
+        return ragged_paged_attention
+    from pallas_kernels.ragged_paged_attention.mosaic import ragged_paged_attention_mosaic
+    return ragged_paged_attention_mosaic
+
+
+def _grouped_matmul_impl(impl):
+    if impl == "pallas":
+        return grouped_matmul
+    if impl == "mosaic":
+        from pallas_kernels.grouped_matmul.mosaic import grouped_matmul_mosaic
+        return grouped_matmul_mosaic
+    from pallas_kernels.grouped_matmul.xla import grouped_matmul_xla
+    return grouped_matmul_xla
 
 
 def expert_weights(w, fmt, shapes):
@@ -185,7 +219,13 @@ def moe_matmul(rng, shapes, interpret):
     cases = [(f"decode_{t}", t, b) for t, b in zip(shapes.decode_seqs, shapes.token_buckets)]
     cases.append((f"prefill_{shapes.prefill_tokens}", shapes.prefill_tokens,
                   shapes.prefill_tokens))
-    kernel = jax.jit(lambda x, w, kw: grouped_matmul(x, w, interpret=interpret, **kw))
+    def call(impl):
+        fn = _grouped_matmul_impl(impl)
+        if impl != "xla":  # the Pallas kernels run interpreted off the GPU
+            fn = functools.partial(fn, interpret=interpret)
+        return jax.jit(lambda x, w, kw: fn(x, w, **kw))
+
+    kernels = {impl: call(impl) for impl in CANDIDATES["grouped_matmul"]}
     reference = jax.jit(lambda x, w, kw: grouped_matmul_reference(x, w, **kw))
     for name, tokens, bucket in cases:
         (x, w_bf16), kwargs, touched = moe_case(rng, shapes, tokens, bucket)
@@ -196,20 +236,34 @@ def moe_matmul(rng, shapes, interpret):
             w = expert_weights(w_bf16, fmt, shapes)
             stored = w.nbytes if isinstance(w, QuantizedWeight) else w.size * 2
             weight_bytes = touched * stored // shapes.num_experts
-            impls = [("pallas", kernel)] + ([("ragged_dot", reference)] if fmt == "bf16"
-                                            and rows <= shapes.ragged_dot_max_rows else [])
-            for impl, fn in impls:
-                seconds = timed(fn, x, w, kwargs, iters=shapes.iters)
-                row = {"part": "grouped_matmul", "name": f"gate_up_{name}", "impl": impl,
-                       "format": fmt, "rows": rows, "experts_touched": touched,
-                       "ms": seconds * 1e3, "weight_gbps": weight_bytes / seconds / 1e9,
-                       "tflops": flops / seconds / 1e12}
+            for impl in _matmul_candidates(fmt, rows, shapes):
+                row = {"part": "grouped_matmul", "name": f"gate_up_{name}", "op":
+                       "grouped_matmul", "size": rows, "impl": impl, "format": fmt,
+                       "rows": rows, "experts_touched": touched}
+                try:
+                    seconds = timed(kernels[impl], x, w, kwargs, iters=shapes.iters)
+                except Exception as e:  # noqa: BLE001 - reported, the others go on
+                    yield {**row, "error": f"{type(e).__name__}: {str(e)[:500]}"}
+                    continue
+                row.update(ms=seconds * 1e3, weight_gbps=weight_bytes / seconds / 1e9,
+                           tflops=flops / seconds / 1e12)
                 if impl == "pallas" and fmt == "bf16":
                     bf16_seconds = seconds
                 elif impl == "pallas":
-                    row.update(vs_bf16=bf16_seconds / seconds, rel_err=rel_err(
-                        fn(x, w, kwargs), reference(x, w, kwargs)))
+                    row.update(vs_bf16=bf16_seconds / seconds)
+                row.update(rel_err=rel_err(kernels[impl](x, w, kwargs), reference(x, w, kwargs)))
                 yield row
+
+
+def _matmul_candidates(fmt, rows, shapes):
+    """Triton for every format; Mosaic GPU and XLA's ragged_dot for bf16 weights only
+    (they read no quantised operands), Mosaic at prefill sizes (it runs the Triton kernel
+    below them) and ragged_dot up to `ragged_dot_max_rows` (XLA computes every group
+    densely: seconds per call at 16k rows)."""
+    if fmt != "bf16":
+        return ["pallas"]
+    return ["pallas", *(["mosaic"] if rows >= 512 else []),
+            *(["xla"] if rows <= shapes.ragged_dot_max_rows else [])]
 
 
 def dense_matmul(rng, shapes, interpret):

@@ -9,7 +9,8 @@ import subprocess
 import sys
 
 PROBE = pathlib.Path(__file__).parents[2] / "benchmarks" / "device_probe.py"
-STAGES = ["env", "check", "attention", "matmul", "engine", "offline", "done"]
+STAGES = ["env", "check", "attention", "matmul", "engine", "offline", "kernel_table",
+          "done"]
 
 
 def run_probe(out, *args):
@@ -41,6 +42,14 @@ def test_dry_run_reports_every_stage_in_order(tmp_path):
     assert {r["name"] for r in by("attention")} == {"decode_s1_ctx64", "decode_s4_ctx64",
                                                     "prefill_32"}
     assert {r["part"] for r in by("matmul")} == {"grouped_matmul", "stacked_matmul", "kv_write"}
+    # every candidate of the prefill attention and of the bf16 grouped matmul is timed
+    assert {r["impl"] for r in by("attention") if r["name"] == "prefill_32"} == {
+        "pallas", "mosaic"}
+    assert {r["impl"] for r in by("matmul") if r.get("format") == "bf16"} == {"pallas", "xla"}
+    table = by("kernel_table")[0]["table"]
+    assert json.loads((tmp_path / "kernel_table.json").read_text()) == table
+    assert set(table) == {"grouped_matmul", "ragged_paged_attention"}
+    assert set(table["ragged_paged_attention"]) == {"1", "4", "32"}
     engine = by("engine")
     assert engine[0]["load_s"] >= 0 and len(engine[0]["buckets"]) == 4
     compiled = [r for r in engine if "bucket" in r]
@@ -74,7 +83,7 @@ def test_a_stage_past_its_timeout_leaves_one_line_and_the_next_stage_runs(tmp_pa
     rows = run_probe(tmp_path, "--stages", "env,check,attention", "--timeout", "check=0.5")
     assert [{k: v for k, v in r.items() if k != "t"} for r in rows if r["stage"] == "check"] == [
         {"stage": "check", "error": "timeout", "timeout_s": 0.5}]
-    assert len([r for r in rows if r["stage"] == "attention"]) == 3
+    assert len([r for r in rows if r["stage"] == "attention"]) == 4  # 2 decodes, 2 prefills
     assert rows[-1]["stage"] == "done"
 
 

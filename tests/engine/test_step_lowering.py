@@ -4,13 +4,15 @@ place by a kernel, the layer body stays under its heavy-op ceiling, fp8 caches l
 
 import pytest
 
+from pallas_kernels.choices import KernelTable
+from pallas_kernels.mosaic_support import attention_unsupported_reason
 from serving.executor import step_lowering
 
 # Batch-1 decode (attention split across programs), 64 decodes, a 2k-token prefill.
 BUCKETS = [(8, 4), (64, 64), (2048, 64)]
 # Heavy ops (custom calls, dots, gathers, scatters, sorts, loops, reductions, dynamic
 # slices, top-k, cumulative sums) in one layer of Qwen3-30B-A3B: 18, and 19 where the
-# attention splits (its combine). docs/benchmarks.md has the itemised counts (63 before).
+# attention splits (its combine). docs/benchmarks.md, "Step op counts", itemises them.
 PER_LAYER_CEILING = 19
 
 
@@ -75,7 +77,8 @@ def test_quantized_weights_enter_the_kernels_whole(quantization, stored):
     # Qwen3-30B-A3B with every projection and expert quantised as that format's checkpoint
     # holds them: the stored values, scales and zero points reach the kernels whole (no
     # per-layer slice, no dequantised copy), and the layer keeps its op count.
-    runner = step_lowering.abstract_runner("qwen3-30b-a3b", impl="pallas", quantization=quantization)
+    runner = step_lowering.abstract_runner("qwen3-30b-a3b", impl="pallas",
+                                           quantization=quantization)
     reads = step_lowering.weight_reads(runner, (8, 4))
     _check_weights_read_whole(reads)
     quantized = {w for w in reads["whole"] if w[1] == stored}
@@ -97,3 +100,20 @@ def test_runtime_conditionals_are_the_samplers_and_fewer_for_cuda(runner):
     cpu = step_lowering.sampler_summary(4, 151936, 1280, platforms=("cpu",))["conditionals"]
     assert summary["outside_conditionals"] == cuda
     assert cuda <= cpu - 5
+
+
+def test_a_kernel_table_puts_mosaic_kernels_in_the_prefill_step_only():
+    # The probe's table as it might come out: Triton at decode sizes, Mosaic GPU at prefill.
+    table = KernelTable.from_dict({
+        "grouped_matmul": {"64": "pallas", "16384": "mosaic"},
+        "ragged_paged_attention": {"8": "pallas", "2048": "mosaic"}})
+    runner = step_lowering.abstract_runner(impl="pallas", kernel_table=table)
+    decode = step_lowering.lower_step(runner, (8, 4)).as_text()
+    assert "mosaic_gpu" not in decode and decode.count("xla.gpu.triton(") == 7
+    prefill = step_lowering.lower_step(runner, (2048, 64)).as_text()
+    # gate/up and down, and attention where this jax offers the Mosaic GPU one
+    mosaic_calls = 2 if attention_unsupported_reason() else 3
+    assert prefill.count("@mosaic_gpu") == mosaic_calls, prefill.count("mosaic_gpu")
+    assert prefill.count("xla.gpu.triton(") == 6 - mosaic_calls
+    _check_weights_read_whole(step_lowering.weight_reads(runner, (2048, 64)))
+
