@@ -1,0 +1,127 @@
+"""Speculative decoding's pieces that need no engine: the config as users pass it, the
+n-gram proposer, and lossless verification (serving/sample/rejection.py)."""
+
+import jax.numpy as jnp
+import numpy as np
+import pytest
+
+from serving.core.speculative import SpeculativeConfig, propose_ngram
+from serving.sample.rejection import greedy_verify, rejection_sample
+
+
+def test_config_from_vllm_json_and_dict():
+    config = SpeculativeConfig.parse('{"method": "ngram", "num_speculative_tokens": 4, '
+                                     '"prompt_lookup_min": 2, "prompt_lookup_max": 4}')
+    assert (config.method, config.num_speculative_tokens) == ("ngram", 4)
+    assert (config.prompt_lookup_min, config.prompt_lookup_max) == (2, 4)
+    same = SpeculativeConfig.parse({"method": "ngram", "num_speculative_tokens": 4,
+                                    "prompt_lookup_min": 2, "prompt_lookup_max": 4})
+    assert same == config and SpeculativeConfig.parse(config) is config
+    assert SpeculativeConfig.parse(None) is None
+    assert SpeculativeConfig.parse({"method": "ngram", "num_speculative_tokens": 2,
+                                    "prompt_lookup_min": 3}).prompt_lookup_max == 3
+
+
+@pytest.mark.parametrize("value, match", [
+    ("{not json", r"speculative_config must be a JSON object, got '\{not json'"),
+    ("[1]", "speculative_config must be a JSON object, got \\[1\\]"),
+    ({"method": "medusa", "num_speculative_tokens": 2},
+     "speculative_config.method must be one of ngram, draft_model, eagle3, got 'medusa'"),
+    ({"num_speculative_tokens": 2}, "speculative_config.method must be one of"),
+    ({"method": "ngram", "num_speculative_tokens": 0},
+     r"speculative_config.num_speculative_tokens must be an int in \[1, 16\], got 0"),
+    ({"method": "ngram", "num_speculative_tokens": 2, "prompt_lookup_min": 3,
+      "prompt_lookup_max": 2},
+     "speculative_config.prompt_lookup_max must be an int >= prompt_lookup_min=3, got 2"),
+    ({"method": "draft_model", "num_speculative_tokens": 2},
+     "speculative_config.model must be the draft model's directory"),
+    ({"method": "ngram", "num_speculative_tokens": 2, "lookahead": 3},
+     r"speculative_config's keys must be among .*, got \['lookahead'\]"),
+])
+def test_bad_configs_name_the_field_value_and_limit(value, match):
+    with pytest.raises(ValueError, match=match):
+        SpeculativeConfig.parse(value)
+
+
+def test_ngram_drafts_what_followed_the_latest_match_of_the_longest_suffix():
+    #         0  1  2  3  4  5  6  7  8  9
+    tokens = [5, 6, 7, 8, 1, 6, 7, 9, 5, 6, 7]
+    # suffix 3-gram [5, 6, 7] occurred at 0: draft what followed (8, 1, 6)
+    assert propose_ngram(tokens, k=3, min_n=1, max_n=3) == [8, 1, 6]
+    # at n = 2, [6, 7] occurred last at 5: (9, 5)
+    assert propose_ngram(tokens, k=2, min_n=1, max_n=2) == [9, 5]
+    # no earlier occurrence of the suffix at any n: no draft
+    assert propose_ngram([1, 2, 3, 4], k=3, min_n=1, max_n=3) == []
+    # fewer than k tokens after the match: as many as there are
+    assert propose_ngram([3, 4, 3], k=4, min_n=1, max_n=2) == [4, 3]
+    assert propose_ngram([7], k=2, min_n=1, max_n=2) == []
+
+
+def test_greedy_verify_keeps_drafts_while_they_are_the_argmax():
+    argmax = jnp.asarray([[4, 5, 6, 7], [4, 5, 6, 7], [4, 5, 6, 7], [4, 5, 6, 7]])
+    drafts = jnp.asarray([[4, 5, 6], [4, 9, 6], [1, 5, 6], [4, 5, 6]])
+    count, tokens = greedy_verify(argmax, drafts, jnp.asarray([3, 3, 3, 1]))
+    assert count.tolist() == [3, 1, 0, 1]
+    assert tokens.tolist() == [[4, 5, 6, 7], [4, 5, 0, 0], [4, 0, 0, 0], [4, 5, 0, 0]]
+
+
+def _draws(rng, rows, k, vocab):
+    uniforms = rng.uniform(size=(rows, k)).astype(np.float32)
+    noise = -np.log(-np.log(rng.uniform(1e-9, 1, size=(rows, k + 1, vocab))))
+    return jnp.asarray(uniforms), jnp.asarray(noise.astype(np.float32))
+
+
+def _distribution(rng, vocab):
+    p = rng.dirichlet(np.ones(vocab)).astype(np.float32)
+    return p
+
+
+@pytest.mark.parametrize("draft", ["model", "ngram"])
+def test_emitted_tokens_follow_the_targets_distribution(draft):
+    # Fixed target distributions p1 (first position) and p2 (after the first draft), a
+    # draft distribution q1 or an n-gram draft; over many rows the first emitted token is
+    # distributed as p1, and the second (emitted only after the first draft was kept) as
+    # p2. Plain acceptance of every draft fails the first check.
+    rng = np.random.default_rng(3)
+    rows, vocab, k = 200_000, 6, 2
+    p1, p2, p3 = (_distribution(rng, vocab) for _ in range(3))
+    q1, q2 = _distribution(rng, vocab), _distribution(rng, vocab)
+    target = jnp.asarray(np.broadcast_to(np.stack([p1, p2, p3]), (rows, 3, vocab)))
+    if draft == "model":  # drafts drawn from q
+        d1 = rng.choice(vocab, size=rows, p=q1 / q1.sum())
+        d2 = rng.choice(vocab, size=rows, p=q2 / q2.sum())
+        draft_probs = jnp.asarray(np.broadcast_to(np.stack([q1, q2]), (rows, 2, vocab)))
+    else:  # the same two n-gram drafts in every row
+        d1, d2 = np.full(rows, 2), np.full(rows, 4)
+        draft_probs = None
+    drafts = jnp.asarray(np.stack([d1, d2], axis=1).astype(np.int32))
+    uniforms, noise = _draws(rng, rows, k, vocab)
+    count, tokens = rejection_sample(target, drafts, jnp.full((rows,), k, jnp.int32),
+                                     uniforms, noise, draft_probs)
+    count, tokens = np.asarray(count), np.asarray(tokens)
+    first = np.bincount(tokens[:, 0], minlength=vocab) / rows
+    np.testing.assert_allclose(first, p1, atol=4e-3)
+    # the second token, where the first was the first draft (p2 is the target's there)
+    kept = count >= 1
+    second = np.bincount(tokens[kept, 1], minlength=vocab) / kept.sum()
+    np.testing.assert_allclose(second, p2, atol=8e-3)
+    # emitted tokens: count + 1 per row, drafts where accepted
+    assert np.all(tokens[kept, 0] == np.asarray(d1)[kept])
+    index = np.arange(k + 1)[None, :]
+    assert np.all(tokens[index > count[:, None]] == 0)
+    # what plain acceptance would give: the first token always the draft
+    plain = np.bincount(np.asarray(d1), minlength=vocab) / rows
+    assert np.abs(plain - p1).max() > 0.05
+
+
+def test_rows_without_drafts_decode_from_the_first_position():
+    rng = np.random.default_rng(5)
+    rows, vocab = 100_000, 5
+    p = _distribution(rng, vocab)
+    target = jnp.asarray(np.broadcast_to(np.stack([p, p, p]), (rows, 3, vocab)))
+    uniforms, noise = _draws(rng, rows, 2, vocab)
+    count, tokens = rejection_sample(target, jnp.zeros((rows, 2), jnp.int32),
+                                     jnp.zeros((rows,), jnp.int32), uniforms, noise)
+    assert not np.any(np.asarray(count))
+    np.testing.assert_allclose(np.bincount(np.asarray(tokens)[:, 0], minlength=vocab) / rows,
+                               p, atol=5e-3)
