@@ -57,6 +57,24 @@ def test_ngram_drafts_what_followed_the_latest_match_of_the_longest_suffix():
     assert propose_ngram([7], k=2, min_n=1, max_n=2) == []
 
 
+def _ngram_by_loops(tokens, k, min_n, max_n):
+    for n in range(min(max_n, len(tokens) - 1), min_n - 1, -1):
+        for start in range(len(tokens) - n - 1, -1, -1):
+            if tokens[start:start + n] == tokens[len(tokens) - n:]:
+                return tokens[start + n:start + n + k]
+    return []
+
+
+def test_ngram_matches_a_plain_search_on_random_token_streams():
+    rng = np.random.default_rng(0)
+    for _ in range(300):
+        tokens = rng.integers(0, 4, rng.integers(1, 40)).tolist()
+        min_n = int(rng.integers(1, 3))
+        max_n = min_n + int(rng.integers(0, 3))
+        assert propose_ngram(tokens, k=3, min_n=min_n, max_n=max_n) == _ngram_by_loops(
+            tokens, 3, min_n, max_n), (tokens, min_n, max_n)
+
+
 def test_greedy_verify_keeps_drafts_while_they_are_the_argmax():
     argmax = jnp.asarray([[4, 5, 6, 7], [4, 5, 6, 7], [4, 5, 6, 7], [4, 5, 6, 7]])
     drafts = jnp.asarray([[4, 5, 6], [4, 9, 6], [1, 5, 6], [4, 5, 6]])
