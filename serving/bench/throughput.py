@@ -42,6 +42,7 @@ def bench_throughput(args, engine_kwargs: dict) -> dict:
     elapsed = time.perf_counter() - started
     num_prompt = sum(len(o.prompt_token_ids) for o in outputs)
     num_output = sum(len(c.token_ids) for o in outputs for c in o.outputs)
+    stats = engine.stats()
     report = {"num_requests": len(outputs), "input_len": args.input_len,
               "output_len": args.output_len, "elapsed_time": elapsed,
               "requests_per_second": len(outputs) / elapsed,
@@ -49,7 +50,8 @@ def bench_throughput(args, engine_kwargs: dict) -> dict:
               "output_tokens_per_second": num_output / elapsed,
               "total_prompt_tokens": num_prompt, "total_output_tokens": num_output,
               "load_seconds": engine.load_seconds, "compile_seconds": engine.compile_seconds,
-              "setup_seconds": setup_s, "num_preemptions": engine.stats()["num_preemptions"]}
+              "setup_seconds": setup_s, "num_preemptions": stats["num_preemptions"],
+              "spec_decode_mean_acceptance_length": stats["spec_decode_mean_acceptance_length"]}
     print(json.dumps(report, indent=2))
     if args.output_json:
         with open(args.output_json, "w") as f:

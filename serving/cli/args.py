@@ -29,6 +29,10 @@ def add_engine_args(parser: argparse.ArgumentParser) -> None:
                    help="the device probe's kernel_table.json: each op's fastest kernel per "
                         "shape (default: --impl everywhere)")
     g.add_argument("--load-format", default="auto", choices=LOAD_FORMATS)
+    g.add_argument("--speculative-config", default=None, metavar="JSON",
+                   help='vLLM\'s speculative decoding config, e.g. \'{"method": "ngram", '
+                        '"num_speculative_tokens": 4, "prompt_lookup_min": 2, '
+                        '"prompt_lookup_max": 4}\' (greedy requests; default: off)')
     g.add_argument("--quantization", "-q", default=None, choices=QUANTIZATION_METHODS,
                    help="weights: fp8 / awq checkpoints load quantised without it; fp8 | int8 "
                         "quantise a float checkpoint at load (presets: any)")
@@ -133,7 +137,7 @@ ENGINE_ARG_NAMES = (
     "enable_prefix_caching", "max_waiting", "token_buckets", "seq_buckets",
     "async_scheduling", "stream_interval", "compilation_cache_dir", "precompile",
     "tensor_parallel_size", "expert_parallel_size", "data_parallel_size",
-    "generation_config", *SCHEDULING_ARG_NAMES)
+    "generation_config", "speculative_config", *SCHEDULING_ARG_NAMES)
 
 
 def engine_kwargs(args: argparse.Namespace) -> dict:

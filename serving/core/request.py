@@ -239,6 +239,9 @@ class Request:
     metrics: RequestMetrics = dataclasses.field(init=False)  # from arrival_time
     # Chained page hashes of full pages, filled lazily by the KV cache manager.
     page_hashes: list[int] = dataclasses.field(default_factory=list, repr=False)
+    # Speculative decoding: tokens proposed to follow its last one, checked by the next
+    # step (serving/engine/speculation.py); `tokens()` reads them past the known tokens.
+    draft_token_ids: list[int] = dataclasses.field(default_factory=list, repr=False)
 
     def __post_init__(self) -> None:
         require(len(self.prompt_token_ids) > 0, "prompt_token_ids", self.prompt_token_ids,
@@ -281,8 +284,12 @@ class Request:
         return self.prompt_token_ids[index] if index < n else self.output_token_ids[index - n]
 
     def tokens(self, start: int, stop: int) -> list[int]:
-        """all_token_ids[start:stop] without copying the whole sequence."""
+        """all_token_ids[start:stop] without copying the whole sequence; past them, the
+        draft tokens."""
         n = len(self.prompt_token_ids)
+        known = n + len(self.output_token_ids)
+        if stop > known and self.draft_token_ids:
+            return self.tokens(start, known) + self.draft_token_ids[:stop - known]
         if stop <= n:
             return self.prompt_token_ids[start:stop]
         if start >= n:

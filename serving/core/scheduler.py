@@ -23,7 +23,7 @@ Self-protection (serving/core/degradation.py) sets the step's budget and admissi
 from __future__ import annotations
 
 import time
-from collections.abc import Callable
+from collections.abc import Callable, Mapping
 
 from serving.core.config import SchedulerConfig
 from serving.core.degradation import KVPressure, QueueWaitBoost
@@ -32,7 +32,8 @@ from serving.core.page_pool import Page
 from serving.core.policies import LONG, SHORT, OrderPolicy, WaitingQueue
 from serving.core.prefill_cap import PrefillCap
 from serving.core.request import Request, RequestStatus
-from serving.core.scheduler_output import ScheduledSeq, SchedulerOutput
+from serving.core.scheduler_output import ScheduledSeq, SchedulerOutput, StepBuilder
+from serving.core.speculative import fit_draft_rows
 from serving.core.swap import SwapManager
 
 
@@ -132,16 +133,20 @@ class Scheduler:
         now = self.observe_pressure()
         for request in self.boost.due(now):
             self.waiting.boost(request)
-        step = _Step(budget=self.pressure.max_num_batched_tokens)
+        step = StepBuilder(budget=self.pressure.max_num_batched_tokens)
         self._schedule_running(step)
         if not step.preempted:
             # Admitting after a preemption would only thrash the pages just freed.
             self._schedule_waiting(step, now)
         self._schedule_deferred(step)
+        if step.num_drafts:
+            cut = fit_draft_rows(list(step.scheduled.values()), self.config.max_num_seqs)
+            step.budget, step.num_drafts = step.budget + cut, step.num_drafts - cut
         step.budget += self.prefill_cap.trim(list(step.scheduled.values()))
         return SchedulerOutput(scheduled=list(step.scheduled.values()),
                                preempted=step.preempted, swap_out=step.swap_out,
-                               swap_in=step.swap_in, host_pages_freed=self.swap.take_released())
+                               swap_in=step.swap_in, host_pages_freed=self.swap.take_released(),
+                               num_drafts=step.num_drafts)
 
     def observe_pressure(self) -> float:
         """Sample KV usage for degradation (every step; the engine also samples it when it
@@ -150,7 +155,7 @@ class Scheduler:
         self.pressure.observe(now, self.kv.usage)
         return now
 
-    def _schedule_running(self, step: _Step) -> None:
+    def _schedule_running(self, step: StepBuilder) -> None:
         head = self.waiting.head if self.waiting else None
         running, page_size = RequestStatus.RUNNING, self.kv.page_size
         scheduled = step.scheduled
@@ -174,6 +179,12 @@ class Scheduler:
             if num_left == 1:
                 num_new = 1
                 start = request.num_computed_tokens
+                if request.draft_token_ids:  # its token and the drafts after it
+                    num_drafts = min(len(request.draft_token_ids), step.budget - 1)
+                    if self._allocate_or_preempt(request, 1 + num_drafts, step):
+                        step.add(request, 1 + num_drafts, start, num_tokens + num_drafts,
+                                 num_drafts=num_drafts)
+                    continue
                 if start < len(request.page_ids) * page_size:
                     # a decode whose pages hold its next token (allocate_slots' fast path;
                     # step.add, inlined: this runs per running request per step)
@@ -185,7 +196,7 @@ class Scheduler:
             if self._allocate_or_preempt(request, num_new, step):
                 step.add(request, num_new, request.num_computed_tokens, num_tokens)
 
-    def _schedule_deferred(self, step: _Step, head: Request | None = None) -> None:
+    def _schedule_deferred(self, step: StepBuilder, head: Request | None = None) -> None:
         """Prefill chunks that yielded to waiting requests, once those that rank above them
         are admitted: the ones that rank no lower than `head` (all when None). Never
         preempts."""
@@ -202,7 +213,7 @@ class Scheduler:
             if self.kv.allocate_slots(request, num_new):
                 step.add(request, num_new, request.num_computed_tokens)
 
-    def _allocate_or_preempt(self, request: Request, num_new: int, step: _Step) -> bool:
+    def _allocate_or_preempt(self, request: Request, num_new: int, step: StepBuilder) -> bool:
         while not self.kv.allocate_slots(request, num_new):
             victim = self._pick_victim()
             self._preempt(victim, step)
@@ -215,7 +226,7 @@ class Scheduler:
             return max(self.running, key=self.policy.key)
         return self.running[-1]
 
-    def _preempt(self, request: Request, step: _Step) -> None:
+    def _preempt(self, request: Request, step: StepBuilder) -> None:
         step.unschedule(request)
         self.running.remove(request)
         self._swap_out_or_drop(request, step)
@@ -226,7 +237,7 @@ class Scheduler:
         step.preempted.append(request.request_id)
         self._enqueue(request, front=True)
 
-    def _swap_out_or_drop(self, request: Request, step: _Step) -> None:
+    def _swap_out_or_drop(self, request: Request, step: StepBuilder) -> None:
         """Copy the computed pages to host when swap space allows, else recompute later."""
         computed = request.num_computed_tokens
         num_pages = cdiv(computed, self.kv.page_size)
@@ -237,7 +248,7 @@ class Scheduler:
             self.num_recomputed_tokens += computed
         self.kv.free(request)
 
-    def _schedule_waiting(self, step: _Step, now: float) -> None:
+    def _schedule_waiting(self, step: StepBuilder, now: float) -> None:
         """Admit in the queue's order until one cannot be admitted; a long prompt waiting
         for a long-prefill slot stays in its place and the ones behind it go on."""
         growth: int | None = None  # the running requests' next-token pages, when needed
@@ -262,7 +273,7 @@ class Scheduler:
             elif not self._preempt_for_short(request, step, now):
                 break
 
-    def _try_admit(self, request: Request, step: _Step, growth: int, hits: list[Page],
+    def _try_admit(self, request: Request, step: StepBuilder, growth: int, hits: list[Page],
                    num_cached: int) -> bool:
         """Admit with `num_cached` tokens already computed: prefix-cache `hits`, or as many
         saved in host memory (no hits) for a swapped-out request."""
@@ -297,7 +308,7 @@ class Scheduler:
         total = self.kv.num_total_pages
         return max(self.watermark_pages, total - int(limit * total) + growth)
 
-    def _next_token_growth(self, requests: list[Request], step: _Step) -> int:
+    def _next_token_growth(self, requests: list[Request], step: StepBuilder) -> int:
         """New pages these requests need to compute one token past this step."""
         growth = 0
         for request in requests:
@@ -306,7 +317,7 @@ class Scheduler:
             growth += max(0, cdiv(end + 1, self.kv.page_size) - len(request.page_ids))
         return growth
 
-    def _preempt_for_short(self, request: Request, step: _Step, now: float) -> bool:
+    def _preempt_for_short(self, request: Request, step: StepBuilder, now: float) -> bool:
         """Length-aware: a short request that waited past short_preempt_wait and cannot be
         admitted preempts the running long request that ranks last, if it ranks below it."""
         if not (self.policy.is_length_aware and self.policy.length_class(request) == SHORT
@@ -329,10 +340,13 @@ class Scheduler:
         self.boost.left_queue(request)
         self.running.append(request)
 
-    def update_after_step(self, scheduler_output: SchedulerOutput) -> None:
+    def update_after_step(self, scheduler_output: SchedulerOutput,
+                          rejected: Mapping[str, int] | None = None) -> None:
         """Mark each scheduled chunk computed and register its full pages for reuse.
 
-        The engine appends the sampled token of each `samples` entry afterwards.
+        The engine appends the sampled token of each `samples` entry afterwards, or (with
+        drafts) first: `rejected` gives the draft tokens per request that verification
+        dropped, whose KV is not the sequence's (their slots are written again).
         """
         page_size, caching = self.kv.page_size, self.kv.enable_prefix_caching
         running = RequestStatus.RUNNING
@@ -341,6 +355,8 @@ class Scheduler:
             if request.status != running:
                 continue  # aborted or finished while the step ran
             end = seq.start + seq.num_new_tokens
+            if rejected and seq.num_drafts:
+                end -= rejected.get(request.request_id, 0)
             request.num_computed_tokens = end
             # Pages fill only where a chunk crosses a page end; an admission may bring
             # full pages of its own (prefix hits are cached already, swapped-in ones not).
@@ -368,29 +384,3 @@ class Scheduler:
 
     def abort(self, request_id: str) -> Request | None:
         return self.finish(request_id, RequestStatus.FINISHED_ABORTED)
-
-
-class _Step:
-    """What one schedule() call has handed out so far."""
-
-    def __init__(self, budget: int):
-        self.budget = budget
-        self.scheduled: dict[str, ScheduledSeq] = {}  # insertion order = batch order
-        self.preempted: list[str] = []
-        self.deferred: list[Request] = []  # running prefills that yield to waiting requests
-        self.swap_out: list[tuple[int, int]] = []
-        self.swap_in: list[tuple[int, int]] = []
-
-    def add(self, request: Request, num_new: int, start: int, num_tokens: int | None = None,
-            admitted: bool = False) -> None:
-        """`num_tokens`: the request's num_tokens_with_pending, where the caller has it."""
-        if num_tokens is None:
-            num_tokens = request.num_tokens_with_pending
-        self.scheduled[request.request_id] = ScheduledSeq(
-            request, num_new, start, start + num_new == num_tokens, admitted)
-        self.budget -= num_new
-
-    def unschedule(self, request: Request) -> None:
-        seq = self.scheduled.pop(request.request_id, None)
-        if seq is not None:
-            self.budget += seq.num_new_tokens

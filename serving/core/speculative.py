@@ -70,6 +70,8 @@ class SpeculativeConfig:
                 f"among {', '.join(_FIELDS)}")
         require("method" in value, "speculative_config.method", None,
                 f"one of {', '.join(METHODS)}")
+        require("num_speculative_tokens" in value, "speculative_config.num_speculative_tokens",
+                None, f"an int in [1, {MAX_SPECULATIVE_TOKENS}]")
         return cls(**dict(value))
 
 
@@ -93,4 +95,22 @@ def propose_ngram(token_ids: Sequence[int], *, k: int, min_n: int, max_n: int) -
     return []
 
 
-__all__ = ["METHODS", "MAX_SPECULATIVE_TOKENS", "SpeculativeConfig", "propose_ngram"]
+def fit_draft_rows(scheduled: Sequence, max_rows: int) -> int:
+    """Drops draft tokens (from the last scheduled sequence back) until the step's rows,
+    a sequence's and one per draft, fit `max_rows` (the largest sequence bucket). Returns
+    the tokens dropped. `scheduled`: the step's ScheduledSeqs, changed in place."""
+    excess = len(scheduled) + sum(seq.num_drafts for seq in scheduled) - max_rows
+    dropped = 0
+    for seq in reversed(scheduled):
+        if excess <= 0:
+            break
+        cut = min(seq.num_drafts, excess)
+        seq.num_drafts -= cut
+        seq.num_new_tokens -= cut
+        excess -= cut
+        dropped += cut
+    return dropped
+
+
+__all__ = ["METHODS", "MAX_SPECULATIVE_TOKENS", "SpeculativeConfig", "fit_draft_rows",
+           "propose_ngram"]

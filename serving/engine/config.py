@@ -11,9 +11,11 @@ from qwen_jax.options import LOAD_FORMATS, PARAM_DTYPES, QUANTIZATION_METHODS
 from qwen_jax.sharding import ParallelConfig
 from qwen_jax.validation import require
 from serving.core.config import CacheConfig, SchedulerConfig
+from serving.core.speculative import SpeculativeConfig
 
 DTYPES = ("auto", *PARAM_DTYPES)  # auto: float32 on CPU, bfloat16 on GPU
 IMPLS = ("auto", *pallas_kernels.IMPLS)  # auto: pallas on GPU, reference elsewhere
+ENGINE_METHODS = ("ngram",)  # the speculative methods the engine runs
 
 
 @dataclasses.dataclass(frozen=True, kw_only=True)
@@ -41,8 +43,16 @@ class EngineConfig:
     # sampling defaults: "auto" reads the model's generation_config.json, "vllm" uses
     # neutral ones, a directory names another generation_config.json (vLLM's option)
     generation_config: str = "auto"
+    # vLLM's speculative_config (a dict, its JSON text or a SpeculativeConfig; None: off).
+    # The engine runs method "ngram" (serving/engine/speculation.py).
+    speculative_config: SpeculativeConfig | None = None
 
     def __post_init__(self) -> None:
+        spec = SpeculativeConfig.parse(self.speculative_config)
+        object.__setattr__(self, "speculative_config", spec)
+        require(spec is None or spec.method in ENGINE_METHODS, "speculative_config.method",
+                None if spec is None else spec.method,
+                f"one of {', '.join(ENGINE_METHODS)} (what this engine runs today)")
         require(self.dtype in DTYPES, "dtype", self.dtype, f"one of {DTYPES}")
         require(self.impl in IMPLS, "impl", self.impl, f"one of {IMPLS}")
         require(self.load_format in LOAD_FORMATS, "load_format", self.load_format,

@@ -26,6 +26,7 @@ from serving.engine import stats as engine_stats
 from serving.engine.config import EngineConfig
 from serving.engine.generation_config import sampling_defaults
 from serving.engine.output_processor import OutputProcessor, ParentState, SeqState, stream_due
+from serving.engine.speculation import Speculator
 from serving.engine.step_records import (
     Flight,
     TokenCounts,
@@ -39,6 +40,7 @@ from serving.executor.compilation_cache import (
     enable_compilation_cache,
 )
 from serving.executor.model_inputs import build_model_inputs, step_bucket
+from serving.executor.swap_store import copy_planned_swaps
 from serving.metrics.step_cost import CostModel
 from serving.sample.sampling_arrays import (
     NUM_BLOCKED,
@@ -97,6 +99,8 @@ class LLMEngine:
         self._in_flight: Flight | None = None  # dispatched, tokens not read yet
         self.num_overlapped_steps = 0  # dispatched while the step before was in flight
         self._last_retired = 0.0
+        spec = config.speculative_config
+        self.speculator = None if spec is None else Speculator(spec)
         if config.precompile:
             self.compile_seconds = self.runner.precompile(self.bucket_pairs,
                                                           progress=config.show_progress)
@@ -233,20 +237,26 @@ class LLMEngine:
         token from step N's output on the device, and step N's outputs are processed
         while N+1 computes. A request that finished at step N may be in N+1: that token
         is dropped. Steps run serially while some live request needs its tokens on the
-        host before the next step (grammar masks) and with several processes."""
+        host before the next step (grammar masks), with several processes or drafts."""
         self.last_step = {}  # set when this call reads a step's tokens
         overlap = self._can_overlap()
         if self._in_flight is not None and not overlap:
             last, self._in_flight = self._in_flight, None  # finish it, then go serial
             return self._retire(last)
+        if self.speculator is not None:
+            self.speculator.propose(self.scheduler.running, self._seqs)
         out = self.scheduler.schedule()
-        self._copy_swapped_pages(out)
+        copy_planned_swaps(self.swap_store, self.runner, out)
         flight = None if out.is_empty else self._launch(out)
         if not overlap:
             if flight is None:
                 return []
-            self.scheduler.update_after_step(out)
-            return self._retire(flight)
+            if self.speculator is None:
+                self.scheduler.update_after_step(out)
+                return self._retire(flight)
+            outputs = self._retire(flight)  # kept drafts appended, then rejected rolled back
+            self.scheduler.update_after_step(out, self.speculator.rejected)
+            return outputs
         previous, self._in_flight = self._in_flight, flight
         if previous is not None and flight is not None:
             self.num_overlapped_steps += 1
@@ -256,7 +266,8 @@ class LLMEngine:
         return outputs
 
     def _can_overlap(self) -> bool:
-        if not self.scheduler_config.async_scheduling or distributed.is_multiprocess():
+        if (not self.scheduler_config.async_scheduling or distributed.is_multiprocess()
+                or self.speculator is not None):
             return False
         return self._num_guided == 0
 
@@ -305,6 +316,7 @@ class LLMEngine:
         """Take each sampled token off the pending count, append it, check stops and
         grammars, emit outputs."""
         tokens = result.token_ids.tolist()  # one conversion, not a numpy scalar per row
+        emitted = {} if self.speculator is None else self.speculator.verify(out, tokens)
         now = time.monotonic()  # every token of the step reached the host now
         counts = TokenCounts()
         outputs: list[RequestOutput] = []
@@ -317,7 +329,9 @@ class LLMEngine:
             seq = self._seqs.get(request.request_id)
             if seq is None or request.is_finished:
                 continue
-            self._append_token(seq, tokens[row], result.logprobs, row, now, counts)
+            for token in emitted.get(row) or (tokens[row],):
+                if not request.is_finished:  # (a kept draft may have been its last)
+                    self._append_token(seq, token, result.logprobs, row, now, counts)
             parent = self._parents[seq.parent_id]
             if len(parent.children) > 1:
                 touched[seq.parent_id] = parent  # one output for its samples, after the loop
@@ -369,16 +383,6 @@ class LLMEngine:
         for child in parent.children:
             if not child.request.is_finished:
                 self.scheduler.finish(child.request.request_id, RequestStatus.FINISHED_ERROR)
-
-    def _copy_swapped_pages(self, out: SchedulerOutput) -> None:
-        """The swaps the scheduler planned, before the step writes any page they read."""
-        if self.swap_store is None:
-            return
-        self.swap_store.release(out.host_pages_freed)
-        if out.swap_out:
-            self.runner.copy_pages_to_host(self.swap_store, *zip(*out.swap_out))
-        if out.swap_in:
-            self.runner.copy_pages_from_host(self.swap_store, *zip(*out.swap_in))
 
     def _emit(self, parent: ParentState, finished: bool) -> RequestOutput:
         """The request's output after a step that touched it (the caller emits one each

@@ -1,5 +1,5 @@
 """The counters `LLMEngine.stats()` reports (and `/metrics` exports): KV pages, prefix
-cache, compiles, the overlapped loop; scheduling, self-protection and swap."""
+cache, compiles, the overlapped loop, speculative decoding; scheduling, self-protection and swap."""
 
 from __future__ import annotations
 
@@ -25,7 +25,23 @@ def kv_stats(engine) -> dict:
             engine.swap_store.num_compiles if engine.swap_store is not None else 0),
         "bytes_per_page": engine.bytes_per_page,
         "kv_capacity_tokens": engine.kv_capacity_tokens,
+        **spec_decode_stats(engine.speculator),
     }
+
+
+def spec_decode_stats(speculator) -> dict:
+    """vLLM's spec-decode counters (zero without speculation); `speculator`:
+    serving/engine/speculation.Speculator or None."""
+    if speculator is None:
+        return {"spec_decode_num_drafts": 0, "spec_decode_num_draft_tokens": 0,
+                "spec_decode_num_accepted_tokens": 0,
+                "spec_decode_num_accepted_tokens_per_pos": [],
+                "spec_decode_mean_acceptance_length": 0.0}
+    return {"spec_decode_num_drafts": speculator.num_drafts,
+            "spec_decode_num_draft_tokens": speculator.num_draft_tokens,
+            "spec_decode_num_accepted_tokens": speculator.num_accepted_tokens,
+            "spec_decode_num_accepted_tokens_per_pos": list(speculator.accepted_per_position),
+            "spec_decode_mean_acceptance_length": speculator.mean_acceptance_length}
 
 
 def scheduling_stats(s: Scheduler) -> dict:

@@ -60,7 +60,7 @@ def step_bucket(scheduler_output: SchedulerOutput, token_buckets: Sequence[int],
     """(T, S): the padded shape, so the compiled step, of a scheduled batch."""
     scheduled = scheduler_output.scheduled
     T = pick_bucket(sum(s.num_new_tokens for s in scheduled), token_buckets)
-    return T, pick_seq_bucket(T, len(scheduled), seq_buckets)
+    return T, pick_seq_bucket(T, scheduler_output.num_rows, seq_buckets)
 
 
 class PageTable:
@@ -124,6 +124,8 @@ def build_model_inputs(scheduler_output: SchedulerOutput, token_buckets: Sequenc
         table = _page_table(scheduled, S, pages_per_seq)
     positions, query_start, logits_index, kv_lens, slot_mapping = _layout(
         scheduled, T, S, table, page_size)
+    if scheduler_output.num_drafts:
+        _draft_rows(scheduled, query_start, logits_index)
     token_ids, prev_index = _token_ids(scheduled, T, num_tokens, logits_index, prev_rows)
     return ModelInputs(token_ids=token_ids, positions=positions, slot_mapping=slot_mapping,
                        query_start=query_start, kv_lens=kv_lens, page_table=table,
@@ -165,6 +167,20 @@ def _layout(scheduled, T: int, S: int, table: np.ndarray, page_size: int):
     slot_mapping[:num_tokens] = pages * page_size + real_positions % page_size
 
     return positions, query_start, logits_index, kv_lens, slot_mapping
+
+
+def _draft_rows(scheduled, query_start: np.ndarray, logits_index: np.ndarray) -> None:
+    """Speculative decoding: a sequence with d draft tokens ends its chunk with them; the
+    logits of its d tokens before the last (its committed token, then all drafts but the
+    last) predict each draft, in rows of their own after every sequence's row, in batch
+    order. The sequence's own row (the chunk's last token) predicts the token after all
+    d drafts."""
+    row = len(scheduled)
+    for i, s in enumerate(scheduled):
+        if s.num_drafts:
+            first = query_start[i + 1] - 1 - s.num_drafts
+            logits_index[row:row + s.num_drafts] = np.arange(first, first + s.num_drafts)
+            row += s.num_drafts
 
 
 def _token_ids(scheduled, T: int, num_tokens: int, logits_index: np.ndarray,

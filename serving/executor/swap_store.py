@@ -128,3 +128,15 @@ class SwapStore:
     def _compiled(table: dict, n: int, jitted, *args):
         fn = table.get(n)
         return fn(*args) if fn is not None else jitted(*args)
+
+
+def copy_planned_swaps(store: SwapStore | None, runner, out) -> None:
+    """The swaps a step's schedule planned (`out`: its SchedulerOutput), made through the
+    model runner before the step writes any page they read."""
+    if store is None:
+        return
+    store.release(out.host_pages_freed)
+    if out.swap_out:
+        runner.copy_pages_to_host(store, *zip(*out.swap_out))
+    if out.swap_in:
+        runner.copy_pages_from_host(store, *zip(*out.swap_in))

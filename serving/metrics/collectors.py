@@ -46,6 +46,7 @@ class EngineCollector:
         yield self._family(g, "engine_dead", "1 once a failed step has killed the engine.",
                            float(getattr(self.llm, "dead", None) is not None), OWN)
         yield from scheduling_families(self, s)
+        yield from spec_decode_families(self, s)
 
 
 def scheduling_families(collector: EngineCollector, s: dict):
@@ -73,6 +74,22 @@ def scheduling_families(collector: EngineCollector, s: dict):
             (c, "num_recomputed_tokens", "Computed tokens discarded by recompute preemptions.",
              "num_recomputed_tokens")):
         yield collector._family(cls, name, doc, s[key], OWN)
+
+
+def spec_decode_families(collector: EngineCollector, s: dict):
+    """Speculative decoding, vLLM's names: drafts (verify steps of a sequence with
+    drafts), draft and accepted tokens, accepted tokens per draft position."""
+    c = CounterMetricFamily
+    for name, doc in (("num_drafts", "Verify steps of a sequence with draft tokens."),
+                      ("num_draft_tokens", "Draft tokens verified."),
+                      ("num_accepted_tokens", "Draft tokens accepted.")):
+        yield collector._family(c, f"spec_decode_{name}", doc, s[f"spec_decode_{name}"])
+    family = c(f"{collector.prefix}:spec_decode_num_accepted_tokens_per_pos",
+               "Draft tokens accepted at each draft position.",
+               labels=[*collector.labels, "position"])
+    for position, count in enumerate(s["spec_decode_num_accepted_tokens_per_pos"]):
+        family.add_metric([*collector.labels.values(), str(position)], count)
+    yield family
 
 
 class PlainCounter:

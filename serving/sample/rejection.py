@@ -7,7 +7,9 @@ q_i(d_i)) while all before it were; at the first rejected position the token is 
 from the normalised max(0, p_i - q_i); if all k are accepted, a bonus token is drawn
 from p_{k+1}. The tokens emitted then follow the target's distribution exactly
 (Leviathan et al., 2023; Chen et al., 2023). Greedy rows (p one-hot at its argmax)
-reduce to: accept while the draft is the argmax.
+reduce to: accept while the draft is the argmax, which the engine checks on the host for
+n-gram drafts (serving/engine/speculation.py); this is the sampled rows' verification,
+which the engine does not run yet.
 
 The draws are the caller's: `uniforms` decide acceptance, `noise` (Gumbel, one row per
 position) the resampled or bonus token, so a seeded request is reproducible.
@@ -59,21 +61,8 @@ def rejection_sample(target_probs, draft_tokens, num_drafts, uniforms, noise,
     return count.astype(jnp.int32), tokens.astype(jnp.int32)
 
 
-def greedy_verify(target_argmax, draft_tokens, num_drafts):
-    """Greedy rows: accepted counts int32[R] and tokens int32[R, K+1] from the target's
-    argmax at each verified position (int32[R, K+1]): drafts are kept while each equals
-    the argmax before it, then the argmax follows."""
-    k = draft_tokens.shape[1]
-    positions = jnp.arange(k)[None, :]
-    match = (draft_tokens == target_argmax[:, :k]) & (positions < num_drafts[:, None])
-    count = jnp.sum(jnp.cumprod(match.astype(jnp.int32), axis=1), axis=1)
-    index = jnp.arange(k + 1)[None, :]
-    tokens = jnp.where(index <= count[:, None], target_argmax, 0)
-    return count.astype(jnp.int32), tokens.astype(jnp.int32)
-
-
 def _one_hot(ids, vocab):
     return (ids[..., None] == jnp.arange(vocab)).astype(jnp.float32)
 
 
-__all__ = ["greedy_verify", "rejection_sample"]
+__all__ = ["rejection_sample"]

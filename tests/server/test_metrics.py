@@ -12,6 +12,7 @@ from pathlib import Path
 import aiohttp
 import pytest
 
+from serving.engine.stats import spec_decode_stats
 from serving.metrics.nvml import NvmlCollector, load_nvml
 from serving.metrics.prometheus import Metrics
 from serving.metrics.step_cost import CostModel, DevicePeak, StepShape
@@ -95,7 +96,8 @@ class _FakeLLM:
                 "num_compiles": 0, "num_used_pages": 0, "num_total_pages": 9,
                 "max_num_batched_tokens": 64, "degraded": 0, "num_degradation_switches": 0,
                 "num_priority_boosts": 0, "num_swapped_requests": 0, "swap_space_usage": 0.0,
-                "num_swap_outs": 0, "num_swap_ins": 0, "num_recomputed_tokens": 0}
+                "num_swap_outs": 0, "num_swap_ins": 0, "num_recomputed_tokens": 0,
+                **spec_decode_stats(None)}
 
 
 def test_utilisation_is_the_step_rate_over_the_devices_peak(server):

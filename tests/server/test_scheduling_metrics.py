@@ -7,6 +7,7 @@ import pytest
 from serving.cli.args import engine_kwargs
 from serving.cli.main import build_parser
 from serving.engine.config import engine_config_from_kwargs
+from serving.engine.stats import spec_decode_stats
 from serving.metrics.prometheus import Metrics
 from tests.helpers.prometheus import parse_values
 
@@ -54,7 +55,7 @@ class _Stats:
             "max_num_batched_tokens": 256, "degraded": 1,
             "num_degradation_switches": 1, "num_priority_boosts": 7, "num_swapped_requests": 2,
             "swap_space_usage": 0.25, "num_swap_outs": 3, "num_swap_ins": 1,
-            "num_recomputed_tokens": 0, **overrides}
+            "num_recomputed_tokens": 0, **spec_decode_stats(None), **overrides}
 
     def stats(self):
         return self.values

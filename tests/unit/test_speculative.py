@@ -6,7 +6,7 @@ import numpy as np
 import pytest
 
 from serving.core.speculative import SpeculativeConfig, propose_ngram
-from serving.sample.rejection import greedy_verify, rejection_sample
+from serving.sample.rejection import rejection_sample
 
 
 def test_config_from_vllm_json_and_dict():
@@ -75,14 +75,6 @@ def test_ngram_matches_a_plain_search_on_random_token_streams():
             tokens, 3, min_n, max_n), (tokens, min_n, max_n)
 
 
-def test_greedy_verify_keeps_drafts_while_they_are_the_argmax():
-    argmax = jnp.asarray([[4, 5, 6, 7], [4, 5, 6, 7], [4, 5, 6, 7], [4, 5, 6, 7]])
-    drafts = jnp.asarray([[4, 5, 6], [4, 9, 6], [1, 5, 6], [4, 5, 6]])
-    count, tokens = greedy_verify(argmax, drafts, jnp.asarray([3, 3, 3, 1]))
-    assert count.tolist() == [3, 1, 0, 1]
-    assert tokens.tolist() == [[4, 5, 6, 7], [4, 5, 0, 0], [4, 0, 0, 0], [4, 5, 0, 0]]
-
-
 def _draws(rng, rows, k, vocab):
     uniforms = rng.uniform(size=(rows, k)).astype(np.float32)
     noise = -np.log(-np.log(rng.uniform(1e-9, 1, size=(rows, k + 1, vocab))))
@@ -143,3 +135,45 @@ def test_rows_without_drafts_decode_from_the_first_position():
     assert not np.any(np.asarray(count))
     np.testing.assert_allclose(np.bincount(np.asarray(tokens)[:, 0], minlength=vocab) / rows,
                                p, atol=5e-3)
+
+
+def test_scheduler_runs_drafts_as_query_tokens_and_rolls_rejected_ones_back():
+    from serving.core.config import SchedulerConfig
+    from serving.core.kv_cache_manager import KVCacheManager
+    from serving.core.request import Request, SamplingParams
+    from serving.core.scheduler import Scheduler
+
+    config = SchedulerConfig(max_num_seqs=4, max_num_batched_tokens=32, max_model_len=64,
+                             watermark=0.0, kv_plan_limit=1.0)
+    s = Scheduler(config, KVCacheManager(64, 4, enable_prefix_caching=True))
+    requests = [Request(f"r{i}", list(range(10 * i, 10 * i + 6)),
+                        SamplingParams(max_tokens=20)) for i in range(3)]
+    for request in requests:
+        s.add_request(request)
+    out = s.schedule()  # the prompts
+    for request in requests:
+        request.append_output_token(99)
+    s.update_after_step(out)
+    requests[0].draft_token_ids = [1, 2, 3]
+    requests[1].draft_token_ids = [4, 5]
+    out = s.schedule()
+    # 3 sequences + 5 drafts > max_num_seqs 4 rows: drafts dropped from the last back
+    assert [(q.num_new_tokens, q.num_drafts, q.samples) for q in out.scheduled] == [
+        (2, 1, True), (1, 0, True), (1, 0, True)]
+    assert out.num_drafts == 1 and out.num_rows == 4
+    assert requests[0].tokens(6, 8) == [99, 1]  # its token, then its draft
+    requests[0].append_output_token(1)  # the draft was kept, and the token after it
+    requests[0].append_output_token(50)
+    for request in requests[1:]:
+        request.append_output_token(98)
+    s.update_after_step(out, {"r0": 0})
+    assert [r.num_computed_tokens for r in requests] == [8, 7, 7]
+    # a rejected draft's position is computed again next step (the engine proposes
+    # before every schedule: no drafts for the others)
+    requests[0].draft_token_ids = requests[1].draft_token_ids = []
+    requests[2].draft_token_ids = [7, 8]  # 3 rows + 2 drafts: one fits
+    out = s.schedule()
+    seq = out.scheduled[2]
+    assert (seq.request is requests[2], seq.num_new_tokens, seq.num_drafts) == (True, 2, 1)
+    s.update_after_step(out, {"r2": 1})
+    assert requests[2].num_computed_tokens == 8  # its token only: the draft's KV dropped

@@ -1,0 +1,189 @@
+"""N-gram speculative decoding in the engine (serving/engine/speculation.py): greedy texts
+identical to the engine without it, in every scheduling mode, with drafts really kept,
+and no page left behind."""
+
+from __future__ import annotations
+
+import pytest
+
+from qwen_jax import LLM, SamplingParams, tasks
+from serving.bench.eval_tasks import TINY_MODEL, chat_template, generate_texts, render_prompts
+
+NGRAM = {"method": "ngram", "num_speculative_tokens": 3, "prompt_lookup_min": 1,
+         "prompt_lookup_max": 3}
+EVERY_TASK = (tasks.TASKS, 3)
+# 16 list prompts of 2 pages each in 20 pages of 16 tokens: they run out of pages while
+# decoding into their third (as in tests/e2e/test_tiny_model.py)
+LISTS = (("reverse", "sort"), 8)
+# (engine options, prompts): the tiny model's tasks copy, reverse and sort their
+# prompts' tokens, so n-gram drafts are often right.
+CONFIGS = {
+    "all_at_once": (dict(enable_prefix_caching=False), EVERY_TASK),
+    "chunked_prefill": (dict(enable_prefix_caching=False, max_num_seqs=8,
+                             max_num_batched_tokens=32), EVERY_TASK),
+    "prefix_caching": (dict(enable_prefix_caching=True), EVERY_TASK),
+    "tiny_pool_preempts": (dict(enable_prefix_caching=False, num_gpu_blocks_override=20),
+                           LISTS),
+    "tiny_pool_swaps": (dict(enable_prefix_caching=False, num_gpu_blocks_override=20,
+                             swap_space=0.01, swap_min_tokens=1), LISTS),
+}
+
+
+def _prompts(task_names, per_task):
+    problems = [p for t in task_names for p in tasks.problems(t, per_task, seed=5)]
+    return render_prompts(problems, chat_template(TINY_MODEL))
+
+
+def _llm(**kwargs):
+    return LLM(model=str(TINY_MODEL), precompile=False, show_progress=False, **kwargs)
+
+
+@pytest.fixture(scope="module")
+def plain_texts():
+    """The engine without speculation (tests/e2e/test_tiny_model.py holds it to the full
+    forward pass), per task list."""
+    llm = _llm(enable_prefix_caching=False)
+    return {prompts: generate_texts(llm, _prompts(*prompts)) for prompts in (EVERY_TASK, LISTS)}
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("name", CONFIGS)
+def test_greedy_texts_equal_the_engine_without_speculation(name, plain_texts):
+    options, prompts = CONFIGS[name]
+    llm = _llm(**options, speculative_config=NGRAM)
+    passes = 2 if options["enable_prefix_caching"] else 1  # the second hits the cache
+    for _ in range(passes):
+        assert generate_texts(llm, _prompts(*prompts)) == plain_texts[prompts]
+    stats = llm.stats()
+    assert stats["spec_decode_num_accepted_tokens"] > 0, "no draft was ever kept"
+    assert stats["spec_decode_num_accepted_tokens"] < stats["spec_decode_num_draft_tokens"]
+    assert stats["spec_decode_mean_acceptance_length"] > 1
+    if name.startswith("tiny_pool"):
+        assert stats["num_preemptions"] > 0
+    if name == "tiny_pool_swaps":
+        assert stats["num_swap_outs"] > 0
+    if name == "prefix_caching":
+        assert stats["prefix_cache_hits"] > 0
+    else:  # every page back in the pool
+        assert stats["num_used_pages"] == 0
+
+
+def test_only_plain_greedy_sequences_get_drafts_and_the_others_are_unchanged():
+    # One batch: greedy (drafted), greedy with logprobs, a penalty, and a sampled request
+    # (none drafted); each gives what the engine without speculation gives.
+    prompts = _prompts(("copy",), 1) * 4
+    params = [SamplingParams(temperature=0, max_tokens=24),
+              SamplingParams(temperature=0, max_tokens=24, logprobs=2),
+              SamplingParams(temperature=0, max_tokens=24, repetition_penalty=1.3),
+              SamplingParams(temperature=0.8, seed=7, max_tokens=24)]
+    plain = _llm(enable_prefix_caching=False).generate(prompts, params)
+    llm = _llm(enable_prefix_caching=False, speculative_config=NGRAM)
+    spec = llm.generate(prompts, params)
+    assert [o.outputs[0].token_ids for o in spec] == [o.outputs[0].token_ids for o in plain]
+    assert spec[1].outputs[0].logprobs == plain[1].outputs[0].logprobs
+    stats = llm.stats()
+    # drafts went to the first request only: at most 3 per step of its 24 tokens
+    assert 0 < stats["spec_decode_num_drafts"] <= 23
+    assert stats["spec_decode_num_accepted_tokens"] > 0
+
+
+def test_max_tokens_and_max_model_len_bound_the_drafts():
+    prompts = _prompts(("copy",), 2)
+    plain_llm = _llm(enable_prefix_caching=False)
+    spec_llm = _llm(enable_prefix_caching=False, speculative_config=NGRAM)
+    for max_tokens in (1, 2, 5):
+        params = SamplingParams(temperature=0, max_tokens=max_tokens)
+        plain, spec = (llm.generate(prompts, params) for llm in (plain_llm, spec_llm))
+        for a, b in zip(spec, plain):
+            assert a.outputs[0].token_ids == b.outputs[0].token_ids
+            assert len(a.outputs[0].token_ids) <= max_tokens
+
+
+@pytest.mark.parametrize("config, match", [
+    ({"method": "eagle3", "num_speculative_tokens": 3, "model": "/x"},
+     "speculative_config.method must be one of ngram .*, got 'eagle3'"),
+    ('{"method": "ngram"}', "speculative_config.num_speculative_tokens"),
+])
+def test_unsupported_configs_are_refused_at_start(config, match):
+    from serving.engine.config import EngineConfig
+    with pytest.raises((ValueError, TypeError), match=match):
+        EngineConfig(speculative_config=config)
+
+
+def test_metrics_use_vllms_spec_decode_names():
+    from serving.metrics.prometheus import Metrics
+    from tests.helpers.prometheus import parse_values
+
+    values = {"num_running": 0, "num_waiting": 0, "kv_cache_usage": 0.0,
+              "prefix_cache_queries": 0, "prefix_cache_hits": 0, "num_preemptions": 0,
+              "num_compiles": 0, "num_used_pages": 0, "num_total_pages": 9,
+              "max_num_batched_tokens": 64, "degraded": 0, "num_degradation_switches": 0,
+              "num_priority_boosts": 0, "num_swapped_requests": 0, "swap_space_usage": 0.0,
+              "num_swap_outs": 0, "num_swap_ins": 0, "num_recomputed_tokens": 0,
+              "spec_decode_num_drafts": 5, "spec_decode_num_draft_tokens": 15,
+              "spec_decode_num_accepted_tokens": 7,
+              "spec_decode_num_accepted_tokens_per_pos": [4, 2, 1]}
+
+    class Engine:
+        dead = None
+
+        @staticmethod
+        def stats():
+            return values
+
+    label = '{model_name="m"}'
+    for prefix in ("vllm", "qwen_jax"):
+        scraped = parse_values(Metrics(Engine(), "m", prefix=prefix).render().decode())
+        assert scraped[f"{prefix}:spec_decode_num_drafts_total{label}"] == 5
+        assert scraped[f"{prefix}:spec_decode_num_draft_tokens_total{label}"] == 15
+        assert scraped[f"{prefix}:spec_decode_num_accepted_tokens_total{label}"] == 7
+        assert [scraped[f'{prefix}:spec_decode_num_accepted_tokens_per_pos_total'
+                        f'{{model_name="m",position="{i}"}}'] for i in range(3)] == [4, 2, 1]
+
+
+def test_verify_keeps_drafts_while_they_match_and_reports_the_rest_rejected():
+    from serving.core.request import Request
+    from serving.core.scheduler_output import ScheduledSeq, SchedulerOutput
+    from serving.core.speculative import SpeculativeConfig
+    from serving.engine.speculation import Speculator
+
+    def seq(name, drafts):
+        request = Request(name, [1, 2, 3])
+        request.draft_token_ids = list(drafts)
+        return ScheduledSeq(request, 1 + len(drafts), 2, True, num_drafts=len(drafts))
+
+    # rows 0..2: the sequences' own rows; then a's 3 draft rows, then c's 2
+    out = SchedulerOutput([seq("a", [7, 8, 9]), seq("b", []), seq("c", [4, 5])], [])
+    tokens = [30, 31, 32, 7, 8, 6, 9, 5]
+    speculator = Speculator(SpeculativeConfig.parse(NGRAM))
+    emitted = speculator.verify(out, tokens)
+    # a: 7 and 8 kept, 9 rejected (the target says 6); c: 4 rejected at once (target 9)
+    assert emitted == {0: [7, 8, 6], 2: [9]}
+    assert speculator.rejected == {"a": 1, "c": 2}
+    assert (speculator.num_drafts, speculator.num_draft_tokens) == (2, 5)
+    assert speculator.num_accepted_tokens == 2 and speculator.accepted_per_position == [1, 1, 0]
+    # all drafts kept: the sequence's own row gives the token after them
+    out = SchedulerOutput([seq("d", [7, 8])], [])
+    assert speculator.verify(out, [40, 7, 8]) == {0: [7, 8, 40]}
+    assert speculator.rejected == {"d": 0}
+    assert speculator.mean_acceptance_length == 1 + 4 / 3
+
+
+async def test_streamed_deltas_through_async_llm_reassemble_the_plain_text():
+    from qwen_jax import AsyncLLM
+    from serving.core.request import RequestOutputKind
+
+    prompts = _prompts(("copy", "reverse"), 1)
+    plain = generate_texts(_llm(enable_prefix_caching=False), prompts)
+    llm = AsyncLLM(str(TINY_MODEL), precompile=False, enable_prefix_caching=False,
+                   speculative_config=NGRAM)
+    try:
+        params = SamplingParams(temperature=0, max_tokens=64,
+                                output_kind=RequestOutputKind.DELTA)
+        for prompt, expected in zip(prompts, plain):
+            deltas = [out.outputs[0].text async for out in llm.generate(prompt, params)]
+            assert "".join(deltas) == expected
+        stats = llm.stats()
+        assert stats["spec_decode_num_accepted_tokens"] > 0
+    finally:
+        llm.shutdown()
