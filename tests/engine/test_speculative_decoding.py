@@ -11,7 +11,7 @@ from serving.bench.eval_tasks import TINY_MODEL, chat_template, generate_texts, 
 
 NGRAM = {"method": "ngram", "num_speculative_tokens": 3, "prompt_lookup_min": 1,
          "prompt_lookup_max": 3}
-EVERY_TASK = (tasks.TASKS, 3)
+EVERY_TASK = (tasks.TASKS, 2)
 # 16 list prompts of 2 pages each in 20 pages of 16 tokens: they run out of pages while
 # decoding into their third (as in tests/e2e/test_tiny_model.py)
 LISTS = (("reverse", "sort"), 8)
@@ -39,18 +39,34 @@ def _llm(**kwargs):
 
 
 @pytest.fixture(scope="module")
-def plain_texts():
+def plain_llm():
     """The engine without speculation (tests/e2e/test_tiny_model.py holds it to the full
-    forward pass), per task list."""
-    llm = _llm(enable_prefix_caching=False)
-    return {prompts: generate_texts(llm, _prompts(*prompts)) for prompts in (EVERY_TASK, LISTS)}
+    forward pass)."""
+    return _llm(enable_prefix_caching=False)
+
+
+@pytest.fixture(scope="module")
+def spec_llm():
+    return _llm(enable_prefix_caching=False, speculative_config=NGRAM)
+
+
+@pytest.fixture(scope="module")
+def plain_texts(plain_llm):
+    return {prompts: generate_texts(plain_llm, _prompts(*prompts))
+            for prompts in (EVERY_TASK, LISTS)}
+
+
+def _spec_counts(llm) -> tuple[int, int]:
+    stats = llm.stats()
+    return stats["spec_decode_num_drafts"], stats["spec_decode_num_accepted_tokens"]
 
 
 @pytest.mark.slow
 @pytest.mark.parametrize("name", CONFIGS)
-def test_greedy_texts_equal_the_engine_without_speculation(name, plain_texts):
+def test_greedy_texts_equal_the_engine_without_speculation(name, plain_texts, request):
     options, prompts = CONFIGS[name]
-    llm = _llm(**options, speculative_config=NGRAM)
+    llm = (request.getfixturevalue("spec_llm") if name == "all_at_once"
+           else _llm(**options, speculative_config=NGRAM))
     passes = 2 if options["enable_prefix_caching"] else 1  # the second hits the cache
     for _ in range(passes):
         assert generate_texts(llm, _prompts(*prompts)) == plain_texts[prompts]
@@ -68,7 +84,8 @@ def test_greedy_texts_equal_the_engine_without_speculation(name, plain_texts):
         assert stats["num_used_pages"] == 0
 
 
-def test_only_plain_greedy_sequences_get_drafts_and_the_others_are_unchanged():
+def test_only_plain_greedy_sequences_get_drafts_and_the_others_are_unchanged(plain_llm,
+                                                                              spec_llm):
     # One batch: greedy (drafted), greedy with logprobs, a penalty, and a sampled request
     # (none drafted); each gives what the engine without speculation gives.
     prompts = _prompts(("copy",), 1) * 4
@@ -76,27 +93,25 @@ def test_only_plain_greedy_sequences_get_drafts_and_the_others_are_unchanged():
               SamplingParams(temperature=0, max_tokens=24, logprobs=2),
               SamplingParams(temperature=0, max_tokens=24, repetition_penalty=1.3),
               SamplingParams(temperature=0.8, seed=7, max_tokens=24)]
-    plain = _llm(enable_prefix_caching=False).generate(prompts, params)
-    llm = _llm(enable_prefix_caching=False, speculative_config=NGRAM)
-    spec = llm.generate(prompts, params)
+    plain = plain_llm.generate(prompts, params)
+    drafts, accepted = _spec_counts(spec_llm)
+    spec = spec_llm.generate(prompts, params)
     assert [o.outputs[0].token_ids for o in spec] == [o.outputs[0].token_ids for o in plain]
     assert spec[1].outputs[0].logprobs == plain[1].outputs[0].logprobs
-    stats = llm.stats()
-    # drafts went to the first request only: at most 3 per step of its 24 tokens
-    assert 0 < stats["spec_decode_num_drafts"] <= 23
-    assert stats["spec_decode_num_accepted_tokens"] > 0
+    new_drafts, new_accepted = (b - a for a, b in zip((drafts, accepted),
+                                                       _spec_counts(spec_llm)))
+    # drafts went to the first request only: at most one verify step per token of its 24
+    assert 0 < new_drafts <= 23 and new_accepted > 0
 
 
-def test_max_tokens_and_max_model_len_bound_the_drafts():
+def test_max_tokens_bounds_the_drafts(plain_llm, spec_llm):
     prompts = _prompts(("copy",), 2)
-    plain_llm = _llm(enable_prefix_caching=False)
-    spec_llm = _llm(enable_prefix_caching=False, speculative_config=NGRAM)
     for max_tokens in (1, 2, 5):
         params = SamplingParams(temperature=0, max_tokens=max_tokens)
         plain, spec = (llm.generate(prompts, params) for llm in (plain_llm, spec_llm))
         for a, b in zip(spec, plain):
             assert a.outputs[0].token_ids == b.outputs[0].token_ids
-            assert len(a.outputs[0].token_ids) <= max_tokens
+            assert len(a.outputs[0].token_ids) == max_tokens
 
 
 @pytest.mark.parametrize("config, match", [
@@ -169,12 +184,12 @@ def test_verify_keeps_drafts_while_they_match_and_reports_the_rest_rejected():
     assert speculator.mean_acceptance_length == 1 + 4 / 3
 
 
-async def test_streamed_deltas_through_async_llm_reassemble_the_plain_text():
+async def test_streamed_deltas_through_async_llm_reassemble_the_plain_text(plain_llm):
     from qwen_jax import AsyncLLM
     from serving.core.request import RequestOutputKind
 
     prompts = _prompts(("copy", "reverse"), 1)
-    plain = generate_texts(_llm(enable_prefix_caching=False), prompts)
+    plain = generate_texts(plain_llm, prompts)
     llm = AsyncLLM(str(TINY_MODEL), precompile=False, enable_prefix_caching=False,
                    speculative_config=NGRAM)
     try:
