@@ -45,6 +45,7 @@ class Speculator:
         self.num_draft_tokens = 0
         self.num_accepted_tokens = 0
         self.accepted_per_position = [0] * k
+        self.rejected: dict[str, int] = {}  # the last verified step's, by request id
 
     def propose(self, running: list[Request], seqs: dict[str, SeqState]) -> None:
         """Sets each running decoding sequence's draft tokens (none for the others)."""
@@ -69,7 +70,9 @@ class Speculator:
         token), by row; `tokens`: the step's sampled token per row. Sets
         `self.rejected` (request id -> drafts dropped) for the scheduler."""
         emitted: dict[int, list[int]] = {}
-        self.rejected: dict[str, int] = {}
+        self.rejected = {}
+        if not out.num_drafts:  # a step without drafts: nothing to walk
+            return emitted
         draft_row = len(out.scheduled)
         for row, scheduled in enumerate(out.scheduled):
             num = scheduled.num_drafts

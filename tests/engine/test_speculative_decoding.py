@@ -168,7 +168,8 @@ def test_verify_keeps_drafts_while_they_match_and_reports_the_rest_rejected():
         return ScheduledSeq(request, 1 + len(drafts), 2, True, num_drafts=len(drafts))
 
     # rows 0..2: the sequences' own rows; then a's 3 draft rows, then c's 2
-    out = SchedulerOutput([seq("a", [7, 8, 9]), seq("b", []), seq("c", [4, 5])], [])
+    out = SchedulerOutput([seq("a", [7, 8, 9]), seq("b", []), seq("c", [4, 5])], [],
+                          num_drafts=5)
     tokens = [30, 31, 32, 7, 8, 6, 9, 5]
     speculator = Speculator(SpeculativeConfig.parse(NGRAM))
     emitted = speculator.verify(out, tokens)
@@ -178,7 +179,7 @@ def test_verify_keeps_drafts_while_they_match_and_reports_the_rest_rejected():
     assert (speculator.num_drafts, speculator.num_draft_tokens) == (2, 5)
     assert speculator.num_accepted_tokens == 2 and speculator.accepted_per_position == [1, 1, 0]
     # all drafts kept: the sequence's own row gives the token after them
-    out = SchedulerOutput([seq("d", [7, 8])], [])
+    out = SchedulerOutput([seq("d", [7, 8])], [], num_drafts=2)
     assert speculator.verify(out, [40, 7, 8]) == {0: [7, 8, 40]}
     assert speculator.rejected == {"d": 0}
     assert speculator.mean_acceptance_length == 1 + 4 / 3

@@ -15,7 +15,7 @@ import pytest
 from kernel_cases import BF16, FP8, as_float, make_case, passed_whole, record_tma_stores
 from pallas_kernels import ragged_paged_attention_reference
 from pallas_kernels.cuda_lowering import lower_for_cuda
-from pallas_kernels.mosaic_support import attention_unsupported_reason, reset_gpu_interpreter
+from pallas_kernels.mosaic_support import attention_unsupported_reason
 from pallas_kernels.ragged_paged_attention.mosaic import (
     mosaic_unsupported_reason,
     plan_attention_mosaic,
@@ -24,12 +24,6 @@ from pallas_kernels.ragged_paged_attention.mosaic import (
 
 MOSAIC = attention_unsupported_reason() is None  # jax >= 0.11
 TOL = 2e-2
-
-
-@pytest.fixture(autouse=True)
-def _fresh_gpu_interpreter():
-    yield
-    reset_gpu_interpreter()  # a kernel that failed under it leaves its simulated state
 
 
 # (q_len, kv_len) per sequence, kv heads, query heads per kv head, head dim, page size,

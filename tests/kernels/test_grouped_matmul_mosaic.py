@@ -16,16 +16,9 @@ from pallas_kernels import grouped_matmul_reference, plan_groups
 from pallas_kernels.cuda_lowering import lower_for_cuda
 from pallas_kernels.grouped_matmul import group_ends_of, tuning
 from pallas_kernels.grouped_matmul.mosaic import grouped_matmul_mosaic, mosaic_unsupported_reason
-from pallas_kernels.mosaic_support import reset_gpu_interpreter
 from pallas_kernels.quantized import quantize
 
 TOL = 2e-2
-
-
-@pytest.fixture(autouse=True)
-def _fresh_gpu_interpreter():
-    yield
-    reset_gpu_interpreter()  # a kernel that failed under it leaves its simulated state
 
 
 # (group sizes, rows, K, block_n) at 64-row tiles: empty groups, groups straddling tiles
