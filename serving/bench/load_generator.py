@@ -20,6 +20,9 @@ CHAT_ENDPOINT = "/v1/chat/completions"
 TIMEOUT = aiohttp.ClientTimeout(total=6 * 3600)
 # Any server's gauges: ours (qwen_jax: or vllm:), vLLM's, SGLang's.
 _GAUGE = re.compile(r"^[a-z_]+:num_requests_(running|waiting)(?:\{[^}]*\})?\s+(\S+)", re.M)
+# vLLM's speculative-decoding counters (ours are under both prefixes: vllm: once)
+_SPEC = re.compile(r"^vllm:spec_decode_num_(drafts|draft_tokens|accepted_tokens)(?:_total)?"
+                   r"(?:\{[^}]*\})?\s+(\S+)", re.M)
 
 
 def build_payload(request: BenchRequest, *, model: str | None, chat: bool,
@@ -114,21 +117,51 @@ async def arrivals(requests: list[BenchRequest], rate: float, burstiness: float,
             await asyncio.sleep(rng.gamma(shape=burstiness, scale=1.0 / (rate * burstiness)))
 
 
-async def server_gauges(session: aiohttp.ClientSession, base_url: str) -> dict | None:
-    """Running and waiting requests from the server's /metrics; None without them."""
+async def _scrape(session: aiohttp.ClientSession, base_url: str) -> str | None:
+    """The server's /metrics text; None without it."""
     try:
         async with session.get(base_url.rstrip("/") + "/metrics",
                                timeout=aiohttp.ClientTimeout(total=5)) as r:
-            if r.status != 200:
-                return None
-            text = await r.text()
+            return await r.text() if r.status == 200 else None
     except (aiohttp.ClientError, asyncio.TimeoutError):
         return None
+
+
+async def server_gauges(session: aiohttp.ClientSession, base_url: str) -> dict | None:
+    """Running and waiting requests from the server's /metrics; None without them."""
+    text = await _scrape(session, base_url)
     found = {"running": 0.0, "waiting": 0.0}
-    matches = _GAUGE.findall(text)
+    matches = _GAUGE.findall(text or "")
     for kind, value in matches:
         found[kind] += float(value)
     return found if matches else None
+
+
+async def spec_decode_counts(session: aiohttp.ClientSession, base_url: str) -> dict | None:
+    """The server's speculative-decoding counters (drafts, draft_tokens, accepted_tokens,
+    summed over its engines); None without them."""
+    found = {"drafts": 0.0, "draft_tokens": 0.0, "accepted_tokens": 0.0}
+    matches = _SPEC.findall(await _scrape(session, base_url) or "")
+    for kind, value in matches:
+        found[kind] += float(value)
+    return found if matches else None
+
+
+def spec_decode_report(before: dict | None, after: dict | None) -> dict:
+    """vLLM's bench serve figures over the run: mean acceptance length (1 + accepted per
+    draft), acceptance rate (accepted per draft token), the counts; {} without counters
+    or drafts."""
+    if before is None or after is None:
+        return {}
+    delta = {kind: after[kind] - before[kind] for kind in after}
+    if delta["drafts"] <= 0:
+        return {}
+    return {"spec_decode_num_drafts": int(delta["drafts"]),
+            "spec_decode_num_draft_tokens": int(delta["draft_tokens"]),
+            "spec_decode_num_accepted_tokens": int(delta["accepted_tokens"]),
+            "spec_decode_mean_acceptance_length": 1 + delta["accepted_tokens"] / delta["drafts"],
+            "spec_decode_acceptance_rate": (delta["accepted_tokens"] / delta["draft_tokens"]
+                                            if delta["draft_tokens"] else 0.0)}
 
 
 class Timeline:
@@ -170,7 +203,8 @@ async def run_benchmark(requests: list[BenchRequest], *, base_url: str, endpoint
                         max_concurrency: int | None, seed: int, ignore_eos: bool,
                         tokenizer=None, warmup: bool = True, metrics_interval: float = 0.0
                         ) -> tuple[list[RequestResult], float, dict]:
-    """(results, duration, timeline); each result's `start` is seconds into the run."""
+    """(results, duration, timeline, speculative-decoding figures: spec_decode_report);
+    each result's `start` is seconds into the run."""
     url = base_url.rstrip("/") + endpoint
     chat = endpoint == CHAT_ENDPOINT
     limit = asyncio.Semaphore(max_concurrency) if max_concurrency else None
@@ -190,6 +224,7 @@ async def run_benchmark(requests: list[BenchRequest], *, base_url: str, endpoint
             probe = await one(requests[0])
             if not probe.success:
                 raise RuntimeError(f"test request to {url} failed: {probe.error}")
+        spec_before = await spec_decode_counts(session, base_url)
         started = time.perf_counter()
         sampler = (asyncio.create_task(timeline.sample(session, base_url, started))
                    if metrics_interval > 0 else None)
@@ -203,7 +238,8 @@ async def run_benchmark(requests: list[BenchRequest], *, base_url: str, endpoint
                                        query=bool(timeline.data["running"]))
         for r in results:
             r.start -= started
-        return list(results), duration, timeline.report()
+        spec = spec_decode_report(spec_before, await spec_decode_counts(session, base_url))
+        return list(results), duration, timeline.report(), spec
 
 
 def _percentiles(text: str) -> list[float]:
@@ -238,12 +274,13 @@ def bench_serve(args) -> dict:
     percentiles = _percentiles(args.metric_percentiles)
     tokenizer = load_tokenizer(args.tokenizer)
     requests = build_requests(args, tokenizer)
-    results, duration, timeline = asyncio.run(run_benchmark(
+    results, duration, timeline, spec = asyncio.run(run_benchmark(
         requests, base_url=args.base_url, endpoint=args.endpoint, model=args.model,
         request_rate=args.request_rate, burstiness=args.burstiness,
         max_concurrency=args.max_concurrency, seed=args.seed, ignore_eos=args.ignore_eos,
         tokenizer=tokenizer, warmup=not args.no_warmup, metrics_interval=args.metrics_interval))
-    report = compute_metrics(results, duration, percentiles=percentiles, slos_ms=slos)
+    report = {**compute_metrics(results, duration, percentiles=percentiles, slos_ms=slos),
+              **spec}
     print(format_table(report, percentiles))
     report = {"date": datetime.now().strftime("%Y%m%d-%H%M%S"), "base_url": args.base_url,
               "endpoint": args.endpoint, "model_id": args.model, "dataset": args.dataset,

@@ -124,5 +124,12 @@ def format_table(report: dict, percentiles: list[float], title: str = "Serving B
         lines.append(row(f"Std {short} (ms):", report[f"std_{name}_ms"]))
         for p in percentiles:
             lines.append(row(f"P{p:g} {short} (ms):", report[f"p{p:g}_{name}_ms"]))
+    if "spec_decode_num_drafts" in report:  # the server speculated during the run
+        lines += ["{s:{c}^{n}}".format(s="Speculative Decoding", n=50, c="-"),
+                  row("Acceptance rate (%):", 100 * report["spec_decode_acceptance_rate"]),
+                  row("Acceptance length:", report["spec_decode_mean_acceptance_length"]),
+                  row("Drafts:", report["spec_decode_num_drafts"], "{:<10}"),
+                  row("Draft tokens:", report["spec_decode_num_draft_tokens"], "{:<10}"),
+                  row("Accepted tokens:", report["spec_decode_num_accepted_tokens"], "{:<10}")]
     lines.append("=" * 50)
     return "\n".join(lines)

@@ -48,6 +48,20 @@ def test_bench_serve_against_fake_server_produces_all_metrics(tmp_path, fake_ser
     assert body["stream"] and body["stream_options"] == {"include_usage": True}
 
 
+def test_bench_serve_reports_the_runs_mean_acceptance_length(tmp_path, fake_server, capsys):
+    url, state = fake_server
+    state.metrics = True
+    report = _bench(tmp_path, url)
+    assert report["completed"] == 6
+    # the run's 6 requests (not the warm-up's): 2 drafts and 3 of 6 draft tokens kept each
+    assert report["spec_decode_num_drafts"] == 12
+    assert report["spec_decode_num_accepted_tokens"] == 18
+    assert report["spec_decode_mean_acceptance_length"] == pytest.approx(2.5)
+    assert report["spec_decode_acceptance_rate"] == pytest.approx(0.5)
+    printed = capsys.readouterr().out
+    assert "Acceptance length:" in printed and "2.50" in printed
+
+
 def test_bench_serve_chat_endpoint_shared_prefix(tmp_path, fake_server):
     url, state = fake_server
     report = _bench(tmp_path, url, "--endpoint", "/v1/chat/completions", "--dataset",

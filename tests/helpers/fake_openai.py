@@ -1,6 +1,6 @@
 """A fake OpenAI-compatible streaming server for the load generator's tests: one SSE chunk
 per token, usage when asked, a 500 for prompts containing FAIL, and optionally vLLM's
-running/waiting gauges on /metrics."""
+running/waiting gauges and speculative-decoding counters on /metrics."""
 
 import asyncio
 import contextlib
@@ -37,6 +37,7 @@ def _fake_app(state) -> web.Application:
                 await response.write(f"data: {json.dumps({'choices': [], 'usage': usage})}\n\n"
                                      .encode())
             await response.write(b"data: [DONE]\n\n")
+            state.served += 1
             return response
         finally:
             state.active -= 1
@@ -44,8 +45,12 @@ def _fake_app(state) -> web.Application:
     async def metrics(request: web.Request) -> web.Response:
         if not state.metrics:
             raise web.HTTPNotFound()
+        spec = "".join(  # speculative decoding's counters: 2 drafts, 3 of 6 kept a request
+            f'{prefix}:spec_decode_num_{name}_total{{model_name="m"}} {per * state.served}\n'
+            for prefix in ("vllm", "qwen_jax")
+            for name, per in (("drafts", 2), ("draft_tokens", 6), ("accepted_tokens", 3)))
         return web.Response(text=f'vllm:num_requests_running{{model_name="m"}} {state.active}\n'
-                                 'vllm:num_requests_waiting{model_name="m"} 0\n')
+                                 'vllm:num_requests_waiting{model_name="m"} 0\n' + spec)
 
     app = web.Application()
     app.router.add_post("/v1/completions", stream)
@@ -75,6 +80,7 @@ def serve_in_thread(app: web.Application):
 @pytest.fixture
 def fake_server():
     """(url, state): state counts active requests and keeps the bodies received."""
-    state = SimpleNamespace(active=0, max_active=0, bodies=[], send_usage=True, metrics=False)
+    state = SimpleNamespace(active=0, max_active=0, bodies=[], send_usage=True, metrics=False,
+                            served=0)
     with serve_in_thread(_fake_app(state)) as url:
         yield url, state
