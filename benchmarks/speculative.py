@@ -1,15 +1,19 @@
 """Speculative decoding on the tiny model, side by side in one process. Prints one JSON
 object.
 
-For each workload and batch size, the same greedy requests through an engine without
+For each workload and batch size, the same requests through an engine without
 speculation (overlapped loop, the default, and serial: speculation steps serially) and
-one with n-gram drafts (`--k` draft tokens, prompt lookup 1..3): output
-tokens/s (median of `--rounds` alternating rounds, after a warm-up round that compiles),
-the ratio, the mean acceptance length (1 + kept drafts per verify step, vLLM's), and
-whether every text is the same. Workloads: `tasks` (the tiny model's four tasks, whose
-answers partly copy their prompts) and `repeat` (its copy task only: outputs that repeat
-the prompt, as edit-this-text requests do). Batch 1 runs the requests one at a time;
-batch 8 eight at once.
+with n-gram drafts (`--k` draft tokens at most, prompt lookup 1..3), the draft length
+chosen per sequence and step (`ngram`, the default) or always all proposed
+(`ngram_fixed`): output tokens/s (median of `--rounds` alternating rounds, after a
+warm-up round that compiles), the ratios, the mean acceptance length (1 + kept drafts
+per verify step, vLLM's), drafts per verify step, the experts a MoE layer is expected
+to read per step (uniform routing, serving/metrics/step_cost.py) with and without
+drafts, and whether every text is the same. Workloads: `tasks` (the tiny model's four
+tasks, greedy: short answers after long prompts), `repeat` (its copy task only),
+`continue` (the four tasks with `ignore_eos` and 128 tokens: past its answer the model
+goes on repeating its own text, so decoding dominates) and `sampled` (`continue` at
+temperature 0.8, seeded). Batch 1 runs the requests one at a time; batch 8 eight at once.
 
     PYTHONPATH=. python benchmarks/speculative.py [--k 3] [--rounds 3] [--out FILE]
 """
@@ -27,8 +31,14 @@ os.environ.setdefault("TOKENIZERS_PARALLELISM", "false")
 
 from qwen_jax import LLM, SamplingParams, tasks  # noqa: E402
 from serving.bench.eval_tasks import TINY_MODEL, chat_template, render_prompts  # noqa: E402
+from serving.metrics.step_cost import expected_experts_touched  # noqa: E402
 
-WORKLOADS = {"tasks": tasks.TASKS, "repeat": ("copy",)}
+WORKLOADS = {  # name: (tasks, sampling parameters)
+    "tasks": (tasks.TASKS, dict(temperature=0, max_tokens=64)),
+    "repeat": (("copy",), dict(temperature=0, max_tokens=64)),
+    "continue": (tasks.TASKS, dict(temperature=0, max_tokens=128, ignore_eos=True)),
+    "sampled": (tasks.TASKS, dict(temperature=0.8, seed=3, max_tokens=128, ignore_eos=True)),
+}
 
 
 def _prompts(task_names, count: int) -> list[str]:
@@ -47,31 +57,46 @@ def _run(llm, prompts, batch: int, params) -> tuple[float, int, list[str]]:
             [o.outputs[0].text for o in outputs])
 
 
+def _spec_counts(llm) -> tuple[int, int, int]:
+    stats = llm.stats()
+    return (stats["spec_decode_num_drafts"], stats["spec_decode_num_draft_tokens"],
+            stats["spec_decode_num_accepted_tokens"])
+
+
+def _experts(llm, tokens: float) -> float:
+    config = llm.llm_engine.model_config
+    return expected_experts_touched(round(tokens), config.num_experts, config.num_experts_per_tok)
+
+
 def compare(workload: str, batch: int, engines: dict, rounds: int) -> dict:
-    prompts = _prompts(WORKLOADS[workload], 8 if batch == 1 else 16)
-    params = SamplingParams(temperature=0, max_tokens=64)
+    task_names, sampling = WORKLOADS[workload]
+    prompts = _prompts(task_names, 8 if batch == 1 else 16)
+    params = SamplingParams(**sampling)
     rates: dict[str, list[float]] = {name: [] for name in engines}
     texts: dict[str, list[str]] = {}
-    accepted = {}
+    counts = {name: [0, 0, 0] for name in engines}
     for llm in engines.values():  # warm-up: compiles this batch's buckets
         _run(llm, prompts, batch, params)
     for _ in range(rounds):
         for name, llm in engines.items():
-            before = llm.stats()
+            before = _spec_counts(llm)
             seconds, tokens, texts[name] = _run(llm, prompts, batch, params)
             rates[name].append(tokens / seconds)
-            after = llm.stats()
-            drafts = after["spec_decode_num_drafts"] - before["spec_decode_num_drafts"]
-            kept = (after["spec_decode_num_accepted_tokens"]
-                    - before["spec_decode_num_accepted_tokens"])
-            accepted[name] = 1 + kept / drafts if drafts else None
+            for i, (a, b) in enumerate(zip(before, _spec_counts(llm))):
+                counts[name][i] += b - a
     median = {name: statistics.median(r) for name, r in rates.items()}
-    return {"workload": workload, "batch": batch,
-            "output_tokens_per_s": median,
-            "ngram_over_none": median["ngram"] / median["none"],
-            "ngram_over_none_serial": median["ngram"] / median["none_serial"],
-            "mean_acceptance_length": accepted["ngram"],
-            "same_texts": texts["ngram"] == texts["none"]}
+    row = {"workload": workload, "batch": batch, "output_tokens_per_s": median}
+    for name in ("ngram", "ngram_fixed"):
+        steps, drafted, kept = counts[name]
+        per_step = drafted / steps if steps else 0.0
+        row[name] = {"over_none": median[name] / median["none"],
+                     "over_none_serial": median[name] / median["none_serial"],
+                     "mean_acceptance_length": 1 + kept / steps if steps else None,
+                     "drafts_per_verify_step": per_step,
+                     "experts_per_layer_step": _experts(engines[name], batch * (1 + per_step)),
+                     "same_texts": texts[name] == texts["none"]}
+    row["experts_per_layer_step_none"] = _experts(engines["none"], batch)
+    return row
 
 
 def main() -> None:
@@ -79,6 +104,7 @@ def main() -> None:
     parser.add_argument("--k", type=int, default=3, help="num_speculative_tokens")
     parser.add_argument("--rounds", type=int, default=3)
     parser.add_argument("--batches", type=int, nargs="+", default=[1, 8])
+    parser.add_argument("--workloads", nargs="+", default=list(WORKLOADS), choices=WORKLOADS)
     parser.add_argument("--out", default=None)
     args = parser.parse_args()
     spec = {"method": "ngram", "num_speculative_tokens": args.k, "prompt_lookup_min": 1,
@@ -86,8 +112,10 @@ def main() -> None:
     common = dict(model=str(TINY_MODEL), precompile=False, show_progress=False,
                   enable_prefix_caching=False)
     engines = {"none": LLM(**common), "none_serial": LLM(**common, async_scheduling=False),
-               "ngram": LLM(**common, speculative_config=spec)}
-    rows = [compare(w, b, engines, args.rounds) for w in WORKLOADS for b in args.batches]
+               "ngram": LLM(**common, speculative_config=spec),
+               "ngram_fixed": LLM(**common, speculative_config={
+                   **spec, "adaptive_draft_length": False})}
+    rows = [compare(w, b, engines, args.rounds) for w in args.workloads for b in args.batches]
     report = {"k": args.k, "rounds": args.rounds, "results": rows}
     print(json.dumps(report, indent=2))
     if args.out:

@@ -18,7 +18,7 @@ from qwen_jax.validation import require
 
 METHODS = ("ngram", "draft_model", "eagle3")
 _FIELDS = ("method", "num_speculative_tokens", "prompt_lookup_min", "prompt_lookup_max",
-           "model")
+           "model", "adaptive_draft_length")
 MAX_SPECULATIVE_TOKENS = 16
 
 
@@ -29,6 +29,9 @@ class SpeculativeConfig:
     prompt_lookup_min: int = 1   # ngram: shortest suffix n-gram looked up
     prompt_lookup_max: int | None = None  # ngram: longest (None: prompt_lookup_min)
     model: str | None = None     # draft_model / eagle3: the draft's directory
+    # ours, not vLLM's: up to num_speculative_tokens drafts a sequence, chosen per step by
+    # acceptance and step cost (serving/core/draft_length.py); False: always all proposed
+    adaptive_draft_length: bool = True
 
     def __post_init__(self) -> None:
         field = "speculative_config"
@@ -46,6 +49,8 @@ class SpeculativeConfig:
                 and self.prompt_lookup_max >= self.prompt_lookup_min,
                 f"{field}.prompt_lookup_max", self.prompt_lookup_max,
                 f"an int >= prompt_lookup_min={self.prompt_lookup_min}")
+        require(isinstance(self.adaptive_draft_length, bool),
+                f"{field}.adaptive_draft_length", self.adaptive_draft_length, "true or false")
         if self.method == "draft_model":
             require(bool(self.model), f"{field}.model", self.model,
                     "the draft model's directory for method 'draft_model'")

@@ -42,10 +42,7 @@ from serving.executor.compilation_cache import (
 from serving.executor.model_inputs import build_model_inputs, step_bucket
 from serving.executor.swap_store import copy_planned_swaps
 from serving.metrics.step_cost import CostModel
-from serving.sample.sampling_arrays import (
-    NUM_BLOCKED,
-    build_sampling_arrays,
-)
+from serving.sample.sampling_arrays import build_sampling_arrays
 from serving.structured_output.grammar import GrammarCompiler, Guide
 from serving.structured_output.token_mask import MaskBuilder
 
@@ -100,7 +97,8 @@ class LLMEngine:
         self.num_overlapped_steps = 0  # dispatched while the step before was in flight
         self._last_retired = 0.0
         spec = config.speculative_config
-        self.speculator = None if spec is None else Speculator(spec)
+        self.speculator = (None if spec is None else
+                           Speculator(spec, self.scheduler_config.token_bucket_sizes))
         if config.precompile:
             self.compile_seconds = self.runner.precompile(self.bucket_pairs,
                                                           progress=config.show_progress)
@@ -141,7 +139,7 @@ class LLMEngine:
             raise ValueError(f"request_id {request_id!r} is already in use")
         text, ids = prompt_token_ids(prompt, self.tokenizer, self.model_config.vocab_size,
                                      self.model_path)
-        blocked = self._blocked_ids(params)
+        blocked = self.output_processor.blocked_ids(params)
         children = []
         try:
             for i in range(params.n):
@@ -185,17 +183,6 @@ class LLMEngine:
             raise ValueError("prompt_logprobs is not supported with multiple processes")
         return self.output_processor.prompt_logprobs(ids, self.runner.score_prompt(ids), num)
 
-    def _blocked_ids(self, params: SamplingParams) -> tuple[int, ...]:
-        if params.min_tokens == 0:
-            return ()
-        eos = () if params.ignore_eos else tuple(self.output_processor.eos_token_ids)
-        stop_ids = tuple(params.stop_token_ids or ())
-        blocked = tuple(dict.fromkeys(eos + stop_ids))
-        if len(blocked) > NUM_BLOCKED:
-            raise ValueError(f"stop_token_ids has {len(stop_ids)} ids; with "
-                             f"min_tokens > 0 at most {NUM_BLOCKED - len(eos)} are supported")
-        return blocked
-
     def _seq_state(self, request, parent_id, index, blocked) -> SeqState:
         # Children of one request get distinct streams; an explicit seed stays reproducible.
         seed = request.sampling_params.seed
@@ -216,6 +203,8 @@ class LLMEngine:
     def _forget(self, seq: SeqState) -> None:
         if self._seqs.pop(seq.request.request_id, None) is not None:
             self._num_guided -= seq.guide is not None
+        if self.speculator is not None:
+            self.speculator.forget(seq.request.request_id)
 
     def request_ids(self) -> list[str]:
         return list(self._parents)
@@ -237,13 +226,22 @@ class LLMEngine:
         token from step N's output on the device, and step N's outputs are processed
         while N+1 computes. A request that finished at step N may be in N+1: that token
         is dropped. Steps run serially while some live request needs its tokens on the
-        host before the next step (grammar masks), with several processes or drafts."""
+        host before the next step (grammar masks), with several processes, and while
+        speculating (serving/engine/speculation.py)."""
+        if self.speculator is None:
+            return self._step()
+        began = self.speculator.begin_step(self.scheduler.running)
+        outputs = self._step()
+        self.speculator.end_step(began, self.last_step.get("num_generated", 0))
+        return outputs
+
+    def _step(self) -> list[RequestOutput]:
         self.last_step = {}  # set when this call reads a step's tokens
         overlap = self._can_overlap()
         if self._in_flight is not None and not overlap:
             last, self._in_flight = self._in_flight, None  # finish it, then go serial
             return self._retire(last)
-        if self.speculator is not None:
+        if self.speculator is not None and self.speculator.active:
             self.speculator.propose(self.scheduler.running, self._seqs)
         out = self.scheduler.schedule()
         copy_planned_swaps(self.swap_store, self.runner, out)
@@ -267,7 +265,7 @@ class LLMEngine:
 
     def _can_overlap(self) -> bool:
         if (not self.scheduler_config.async_scheduling or distributed.is_multiprocess()
-                or self.speculator is not None):
+                or self.speculator is not None and self.speculator.active):
             return False
         return self._num_guided == 0
 
@@ -329,9 +327,9 @@ class LLMEngine:
             seq = self._seqs.get(request.request_id)
             if seq is None or request.is_finished:
                 continue
-            for token in emitted.get(row) or (tokens[row],):
+            for token, source in emitted.get(row) or ((tokens[row], row),):
                 if not request.is_finished:  # (a kept draft may have been its last)
-                    self._append_token(seq, token, result.logprobs, row, now, counts)
+                    self._append_token(seq, token, result.logprobs, source, now, counts)
             parent = self._parents[seq.parent_id]
             if len(parent.children) > 1:
                 touched[seq.parent_id] = parent  # one output for its samples, after the loop

@@ -13,6 +13,7 @@ from serving.core.request import (
     Request,
     RequestOutput,
     RequestStatus,
+    SamplingParams,
     uses_penalties,
 )
 from serving.engine.detokenizer import IncrementalDetokenizer
@@ -95,6 +96,20 @@ class OutputProcessor:
     def __init__(self, tokenizer, eos_token_ids: tuple[int, ...]):
         self.tokenizer = tokenizer
         self.eos_token_ids = frozenset(eos_token_ids)
+
+    def blocked_ids(self, params: SamplingParams) -> tuple[int, ...]:
+        """The ids a request's draws mask until its min_tokens: eos (unless ignored) and
+        its stop ids; () without min_tokens."""
+        if params.min_tokens == 0:
+            return ()
+        from serving.sample.sampling_arrays import NUM_BLOCKED  # (a jax module: when used)
+        eos = () if params.ignore_eos else tuple(self.eos_token_ids)
+        stop_ids = tuple(params.stop_token_ids or ())
+        blocked = tuple(dict.fromkeys(eos + stop_ids))
+        if len(blocked) > NUM_BLOCKED:
+            raise ValueError(f"stop_token_ids has {len(stop_ids)} ids; with "
+                             f"min_tokens > 0 at most {NUM_BLOCKED - len(eos)} are supported")
+        return blocked
 
     def new_seq(self, request: Request, parent_id: str, index: int, seed: int,
                 blocked_ids: tuple[int, ...]) -> SeqState:

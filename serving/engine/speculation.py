@@ -10,46 +10,77 @@ then takes the target's token at the first mismatch, or its row's token after al
 (`Speculator.verify`); the rejected drafts' KV is rolled back by the scheduler
 (`Scheduler.update_after_step(rejected=...)`).
 
-Lossless by construction for what it speculates: only greedy sequences (temperature 0)
-without penalties, a grammar, logprobs or a pending min_tokens get drafts, so each
-verifying row's argmax (the sampler's greedy path) is exactly the token the plain
-engine would emit. Other sequences decode as
-before in the same batch. The engine steps serially while speculation is on: the next
-step's input depends on how many drafts were kept.
+Lossless: a row samples as the plain engine would at its position (its sequence's
+temperature, top-k/top-p/min-p, penalties over the tokens before it, drafts included,
+min_tokens, its draw's output index), so each row's token is a draw from the target's
+distribution there; the drafts are kept while each equals its row's token. For an
+n-gram draft (a single token, probability 1 in the draft's distribution) this is
+rejection sampling exactly: accepted with probability p(draft), else a token from p
+without the draft, renormalised. Since the draws are a function of (seed, output
+index), a seeded request gives the same tokens with speculation as without. Greedy rows
+take the argmax. Sequences under a grammar get no drafts (their mask at a draft's
+position would need the grammar advanced over the drafts before it).
+
+How many drafts each sequence verifies, and whether a step speculates at all:
+serving/core/draft_length.py (per-sequence acceptance against the measured cost of each
+step bucket; output tokens/s measured with and without speculation), unless
+`adaptive_draft_length` is off. A step that speculates runs serially (the next step's
+input depends on how many drafts were kept); the others run in the plain loop,
+overlapped where it would be.
 """
 
 from __future__ import annotations
 
-from serving.core.request import Request, SamplingParams, uses_penalties
+import time
+
+from serving.core.draft_length import DraftLengths, SpeculationSwitch
+from serving.core.request import Request
 from serving.core.scheduler_output import SchedulerOutput
 from serving.core.speculative import SpeculativeConfig, propose_ngram
 from serving.engine.output_processor import SeqState
 
 
 def speculates(seq: SeqState) -> bool:
-    """Whether this sequence gets drafts: its tokens are its rows' argmax."""
-    params: SamplingParams = seq.params
-    return (params.greedy and seq.guide is None and not uses_penalties(params)
-            and params.logprobs is None
-            and (not seq.blocked_ids
-                 or len(seq.request.output_token_ids) >= params.min_tokens))
+    """Whether this sequence gets drafts: every one but those under a grammar."""
+    return seq.guide is None
 
 
 class Speculator:
     """Proposes drafts and verifies them; counts what vLLM's spec-decode metrics count."""
 
-    def __init__(self, config: SpeculativeConfig):
+    def __init__(self, config: SpeculativeConfig, token_buckets: tuple[int, ...]):
         self.config = config
         k = config.num_speculative_tokens
+        adaptive = config.adaptive_draft_length
+        self.lengths = DraftLengths(token_buckets) if adaptive else None
+        self.switch = SpeculationSwitch() if adaptive else None
+        self.active = True  # whether this step speculates (else the plain loop runs it)
         self.num_drafts = 0           # verify steps of a sequence with drafts
         self.num_draft_tokens = 0
         self.num_accepted_tokens = 0
         self.accepted_per_position = [0] * k
         self.rejected: dict[str, int] = {}  # the last verified step's, by request id
+        self._began = 0.0
+
+    def begin_step(self, running: list[Request]) -> float:
+        """Chooses whether the step about to run speculates (`active`); returns its start."""
+        was_active = self.active
+        self.active = self.switch is None or self.switch.choose(len(running))
+        if was_active and not self.active:  # drafts proposed but not run are dropped
+            for request in running:
+                request.draft_token_ids = []
+        return time.perf_counter()
+
+    def end_step(self, began: float, num_generated: int) -> None:
+        """The step begun at `began` appended `num_generated` tokens."""
+        if self.switch is not None:
+            self.switch.observe(num_generated, time.perf_counter() - began)
 
     def propose(self, running: list[Request], seqs: dict[str, SeqState]) -> None:
         """Sets each running decoding sequence's draft tokens (none for the others)."""
         config = self.config
+        self._began = time.perf_counter()  # the step's start: see verify
+        proposed: list[Request] = []
         for request in running:
             request.draft_token_ids = []
             seq = seqs.get(request.request_id)
@@ -61,16 +92,32 @@ class Speculator:
             room = (request.max_num_tokens or num_tokens + 1) - num_tokens - 1
             k = min(config.num_speculative_tokens, room)
             if k > 0:
-                request.draft_token_ids = propose_ngram(
+                request.draft_token_ids = drafts = propose_ngram(
                     request.all_token_ids, k=k, min_n=config.prompt_lookup_min,
                     max_n=config.prompt_lookup_max or config.prompt_lookup_min)
+                if drafts:
+                    proposed.append(request)
+        if self.lengths is not None and proposed:
+            counts = self.lengths.choose(
+                [(r.request_id, len(r.draft_token_ids)) for r in proposed], len(running))
+            for request, count in zip(proposed, counts):
+                del request.draft_token_ids[count:]
 
-    def verify(self, out: SchedulerOutput, tokens: list[int]) -> dict[int, list[int]]:
-        """The tokens each row with drafts emits (its kept drafts, then the target's
-        token), by row; `tokens`: the step's sampled token per row. Sets
+    def forget(self, request_id: str) -> None:
+        if self.lengths is not None:
+            self.lengths.forget(request_id)
+
+    def verify(self, out: SchedulerOutput, tokens: list[int]
+               ) -> dict[int, list[tuple[int, int]]]:
+        """The (token, row it was sampled in) each sequence with drafts emits, by its
+        row: its kept drafts, then the target's token at the first mismatch (or after
+        all its drafts); `tokens`: the step's sampled token per row. Sets
         `self.rejected` (request id -> drafts dropped) for the scheduler."""
-        emitted: dict[int, list[int]] = {}
+        emitted: dict[int, list[tuple[int, int]]] = {}
         self.rejected = {}
+        if self.lengths is not None and self._began:  # a step that proposed: its time
+            self.lengths.observe_step(out.num_batched_tokens, time.perf_counter() - self._began)
+            self._began = 0.0  # from its proposals to its tokens
         if not out.num_drafts:  # a step without drafts: nothing to walk
             return emitted
         draft_row = len(out.scheduled)
@@ -80,20 +127,26 @@ class Speculator:
                 continue
             request = scheduled.request
             drafts = request.draft_token_ids[:num]
-            targets = tokens[draft_row:draft_row + num]  # the target's token at each draft
-            draft_row += num
-            kept = 0
-            while kept < num and drafts[kept] == targets[kept]:
+            kept = 0  # rows draft_row + j sampled the target's token at draft j
+            while kept < num and drafts[kept] == tokens[draft_row + kept]:
                 kept += 1
-            emitted[row] = drafts[:kept] + [targets[kept] if kept < num else tokens[row]]
+            emitted[row] = [(token, draft_row + j) for j, token in enumerate(drafts[:kept])]
+            last = draft_row + kept if kept < num else row
+            emitted[row].append((tokens[last], last))
+            draft_row += num
             self.rejected[request.request_id] = num - kept
             request.draft_token_ids = []
-            self.num_drafts += 1
-            self.num_draft_tokens += num
-            self.num_accepted_tokens += kept
-            for position in range(kept):
-                self.accepted_per_position[position] += 1
+            self._count(request.request_id, num, kept)
         return emitted
+
+    def _count(self, request_id: str, num: int, kept: int) -> None:
+        self.num_drafts += 1
+        self.num_draft_tokens += num
+        self.num_accepted_tokens += kept
+        for position in range(kept):
+            self.accepted_per_position[position] += 1
+        if self.lengths is not None:
+            self.lengths.observe_verify(request_id, num, kept)
 
     @property
     def mean_acceptance_length(self) -> float:

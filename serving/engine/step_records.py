@@ -17,9 +17,12 @@ from serving.sample.sampling_arrays import PENDING_TOKEN, SamplingEntry, samplin
 
 
 def sampling_entries(out: SchedulerOutput, seqs: dict[str, SeqState]) -> list[SamplingEntry]:
-    """Each scheduled sequence's row of the step's sampling arrays. A sequence keeps one
-    entry and updates what changes per step (the arrays copy it at once)."""
+    """Each scheduled sequence's row of the step's sampling arrays, then a row per draft
+    token (speculative decoding, in the rows' order of serving/executor/model_inputs.py).
+    A sequence keeps one entry and updates what changes per step (the arrays copy it at
+    once)."""
     entries = []
+    drafts: list[SamplingEntry] = []
     for scheduled in out.scheduled:
         request = scheduled.request
         seq = seqs[request.request_id]
@@ -29,16 +32,30 @@ def sampling_entries(out: SchedulerOutput, seqs: dict[str, SeqState]) -> list[Sa
             entry = seq.sampling_entry = SamplingEntry(
                 params, seq.seed, 0, (), None, len(request.prompt_token_ids),
                 sampling_row(params, seq.seed))
-        entry.output_index = num_output = (len(request.output_token_ids)
-                                           + request.num_pending_tokens)
-        if seq.blocked_ids:  # eos/stop ids, blocked until min_tokens
-            entry.blocked_ids = (seq.blocked_ids if num_output
-                                 < request.sampling_params.min_tokens else ())
-        if seq.uses_penalties:  # the token in flight, if any, is filled on the device
-            entry.penalty_tokens = (request.all_token_ids
-                                    + [PENDING_TOKEN] * request.num_pending_tokens)
-        entries.append(entry)
-    return entries
+        num_output = len(request.output_token_ids) + request.num_pending_tokens
+        num_drafts = scheduled.num_drafts
+        for j in range(num_drafts):  # draft row j samples output j, after drafts[:j]
+            drafts.append(_entry_at(seq, dataclasses.replace(entry), num_output + j,
+                                    request.draft_token_ids[:j]))
+        # the sequence's own row samples the token after its drafts
+        entries.append(_entry_at(seq, entry, num_output + num_drafts,
+                                 request.draft_token_ids[:num_drafts]))
+    return entries + drafts
+
+
+def _entry_at(seq: SeqState, entry: SamplingEntry, output_index: int,
+              drafts: list[int]) -> SamplingEntry:
+    """`entry` set for the draw of output `output_index`, after the tokens so far and
+    `drafts` (the draft tokens before it in its step)."""
+    request = seq.request
+    entry.output_index = output_index
+    if seq.blocked_ids:  # eos/stop ids, blocked until min_tokens
+        entry.blocked_ids = (seq.blocked_ids if output_index
+                             < request.sampling_params.min_tokens else ())
+    if seq.uses_penalties:  # the token in flight, if any, is filled on the device
+        entry.penalty_tokens = (request.all_token_ids
+                                + [PENDING_TOKEN] * request.num_pending_tokens + drafts)
+    return entry
 
 
 def constrained_rows(out: SchedulerOutput, seqs: dict[str, SeqState], num_guided: int) -> list:

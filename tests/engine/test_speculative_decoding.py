@@ -9,8 +9,9 @@ import pytest
 from qwen_jax import LLM, SamplingParams, tasks
 from serving.bench.eval_tasks import TINY_MODEL, chat_template, generate_texts, render_prompts
 
+# every proposed draft verified, every step speculating (the adaptive choice has its test)
 NGRAM = {"method": "ngram", "num_speculative_tokens": 3, "prompt_lookup_min": 1,
-         "prompt_lookup_max": 3}
+         "prompt_lookup_max": 3, "adaptive_draft_length": False}
 EVERY_TASK = (tasks.TASKS, 2)
 # 16 list prompts of 2 pages each in 20 pages of 16 tokens: they run out of pages while
 # decoding into their third (as in tests/e2e/test_tiny_model.py)
@@ -84,24 +85,68 @@ def test_greedy_texts_equal_the_engine_without_speculation(name, plain_texts, re
         assert stats["num_used_pages"] == 0
 
 
-def test_only_plain_greedy_sequences_get_drafts_and_the_others_are_unchanged(plain_llm,
-                                                                              spec_llm):
-    # One batch: greedy (drafted), greedy with logprobs, a penalty, and a sampled request
-    # (none drafted); each gives what the engine without speculation gives.
-    prompts = _prompts(("copy",), 1) * 4
+def test_sampled_penalised_min_tokens_and_logprob_requests_equal_the_plain_engine(
+        plain_llm, spec_llm):
+    # One batch, every request drafted: greedy, greedy with logprobs, a penalty, seeded
+    # samples (n = 2, top-p/top-k), min_tokens; each gives the plain engine's tokens (a
+    # row draws as the plain engine's draw for its output index), logprobs to rounding.
+    prompts = _prompts(("copy",), 1) * 5
     params = [SamplingParams(temperature=0, max_tokens=24),
               SamplingParams(temperature=0, max_tokens=24, logprobs=2),
-              SamplingParams(temperature=0, max_tokens=24, repetition_penalty=1.3),
-              SamplingParams(temperature=0.8, seed=7, max_tokens=24)]
+              SamplingParams(temperature=0, max_tokens=24, repetition_penalty=1.3,
+                             presence_penalty=0.5),
+              SamplingParams(temperature=0.9, top_p=0.9, top_k=20, seed=7, n=2,
+                             max_tokens=24),
+              SamplingParams(temperature=0, max_tokens=24, min_tokens=20)]
+    plain = plain_llm.generate(prompts, params)
+    drafts, accepted = _spec_counts(spec_llm)
+    spec = spec_llm.generate(prompts, params)
+    assert ([[c.token_ids for c in o.outputs] for o in spec]
+            == [[c.token_ids for c in o.outputs] for o in plain])
+    assert len(spec[4].outputs[0].token_ids) >= 20
+    for got, want in zip(spec[1].outputs[0].logprobs, plain[1].outputs[0].logprobs):
+        assert got.keys() == want.keys()
+        for token, entry in got.items():
+            assert entry.rank == want[token].rank
+            assert entry.logprob == pytest.approx(want[token].logprob, rel=1e-4, abs=1e-5)
+    new_drafts, new_accepted = (b - a for a, b in zip((drafts, accepted),
+                                                       _spec_counts(spec_llm)))
+    # more verify steps than one request's 23 tokens after its first allow
+    assert new_drafts > 23 and new_accepted > 0
+
+
+def test_seeded_samples_keep_only_the_drafts_the_target_draws(plain_llm, spec_llm):
+    # At temperature 1 the target often draws something else than the n-gram draft: a
+    # verifier that kept drafts regardless (or drew its rows with other noise) would give
+    # other texts than the plain engine's for these seeds.
+    prompts = _prompts(("reverse", "copy"), 2)
+    params = [SamplingParams(temperature=1.0, seed=seed, max_tokens=32) for seed in range(4)]
     plain = plain_llm.generate(prompts, params)
     drafts, accepted = _spec_counts(spec_llm)
     spec = spec_llm.generate(prompts, params)
     assert [o.outputs[0].token_ids for o in spec] == [o.outputs[0].token_ids for o in plain]
-    assert spec[1].outputs[0].logprobs == plain[1].outputs[0].logprobs
     new_drafts, new_accepted = (b - a for a, b in zip((drafts, accepted),
                                                        _spec_counts(spec_llm)))
-    # drafts went to the first request only: at most one verify step per token of its 24
-    assert 0 < new_drafts <= 23 and new_accepted > 0
+    assert new_drafts > 0 and new_accepted > 0
+
+
+def test_the_adaptive_engine_speculates_and_overlaps_by_turns_with_the_same_tokens(plain_llm):
+    # adaptive_draft_length (the default): drafts per sequence by acceptance and step cost,
+    # and steps with or without speculation by measured tokens/s; it tries both at first,
+    # so both kinds of step run here, switching while sequences decode.
+    llm = _llm(enable_prefix_caching=False,
+               speculative_config={**NGRAM, "adaptive_draft_length": True})
+    prompts = _prompts(tasks.TASKS, 2)
+    params = [SamplingParams(temperature=0, max_tokens=48, ignore_eos=True),
+              SamplingParams(temperature=0.8, seed=11, max_tokens=48, ignore_eos=True)]
+    for sampling in params:
+        plain = plain_llm.generate(prompts, sampling)
+        assert ([o.outputs[0].token_ids for o in llm.generate(prompts, sampling)]
+                == [o.outputs[0].token_ids for o in plain])
+    stats = llm.stats()
+    assert stats["spec_decode_num_accepted_tokens"] > 0
+    assert llm.llm_engine.num_overlapped_steps > 0
+    assert stats["num_used_pages"] == 0
 
 
 def test_max_tokens_bounds_the_drafts(plain_llm, spec_llm):
@@ -171,16 +216,17 @@ def test_verify_keeps_drafts_while_they_match_and_reports_the_rest_rejected():
     out = SchedulerOutput([seq("a", [7, 8, 9]), seq("b", []), seq("c", [4, 5])], [],
                           num_drafts=5)
     tokens = [30, 31, 32, 7, 8, 6, 9, 5]
-    speculator = Speculator(SpeculativeConfig.parse(NGRAM))
+    speculator = Speculator(SpeculativeConfig.parse(NGRAM), (8, 16))
     emitted = speculator.verify(out, tokens)
-    # a: 7 and 8 kept, 9 rejected (the target says 6); c: 4 rejected at once (target 9)
-    assert emitted == {0: [7, 8, 6], 2: [9]}
+    # a: 7 and 8 kept, 9 rejected (the target says 6); c: 4 rejected at once (target 9);
+    # each token with the row it was sampled in (its logprobs' row)
+    assert emitted == {0: [(7, 3), (8, 4), (6, 5)], 2: [(9, 6)]}
     assert speculator.rejected == {"a": 1, "c": 2}
     assert (speculator.num_drafts, speculator.num_draft_tokens) == (2, 5)
     assert speculator.num_accepted_tokens == 2 and speculator.accepted_per_position == [1, 1, 0]
     # all drafts kept: the sequence's own row gives the token after them
     out = SchedulerOutput([seq("d", [7, 8])], [], num_drafts=2)
-    assert speculator.verify(out, [40, 7, 8]) == {0: [7, 8, 40]}
+    assert speculator.verify(out, [40, 7, 8]) == {0: [(7, 1), (8, 2), (40, 0)]}
     assert speculator.rejected == {"d": 0}
     assert speculator.mean_acceptance_length == 1 + 4 / 3
 

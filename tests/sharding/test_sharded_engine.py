@@ -58,6 +58,18 @@ def test_layout_matches_single_device_tokens(ckpt, prompts, single_device, layou
     assert stats["num_free_pages"] == stats["num_total_pages"]
 
 
+def test_speculative_decoding_under_tp_x_ep_matches_single_device_tokens(ckpt, prompts,
+                                                                          single_device):
+    # rows for the 4 sequences and their drafts: a sequence bucket of 16
+    args = {**ARGS, "max_num_seqs": 16, "seq_buckets": [16]}
+    llm = LLM(ckpt, compilation_cache_dir=None, **args, **LAYOUTS["tp2_ep4"],
+              speculative_config={"method": "ngram", "num_speculative_tokens": 3})
+    assert [o.outputs[0].token_ids for o in llm.generate(prompts, GREEDY)] == single_device
+    stats = llm.stats()
+    assert stats["spec_decode_num_draft_tokens"] > 0
+    assert stats["num_free_pages"] == stats["num_total_pages"]
+
+
 def _param_specs(model):
     cfg = model.config
     for path, var in nnx.to_flat_state(nnx.state(model, nnx.Param)):

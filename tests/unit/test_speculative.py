@@ -5,6 +5,7 @@ import jax.numpy as jnp
 import numpy as np
 import pytest
 
+from serving.core.draft_length import DraftLengths, SpeculationSwitch
 from serving.core.speculative import SpeculativeConfig, propose_ngram
 from serving.sample.rejection import rejection_sample
 
@@ -35,6 +36,8 @@ def test_config_from_vllm_json_and_dict():
      "speculative_config.prompt_lookup_max must be an int >= prompt_lookup_min=3, got 2"),
     ({"method": "draft_model", "num_speculative_tokens": 2},
      "speculative_config.model must be the draft model's directory"),
+    ({"method": "ngram", "num_speculative_tokens": 2, "adaptive_draft_length": "no"},
+     "speculative_config.adaptive_draft_length must be true or false, got 'no'"),
     ({"method": "ngram", "num_speculative_tokens": 2, "lookahead": 3},
      r"speculative_config's keys must be among .*, got \['lookahead'\]"),
 ])
@@ -177,3 +180,92 @@ def test_scheduler_runs_drafts_as_query_tokens_and_rolls_rejected_ones_back():
     assert (seq.request is requests[2], seq.num_new_tokens, seq.num_drafts) == (True, 2, 1)
     s.update_after_step(out, {"r2": 1})
     assert requests[2].num_computed_tokens == 8  # its token only: the draft's KV dropped
+
+
+# ---- draft lengths (serving/core/draft_length.py) --------------------------------------
+def _timed(costs: dict[int, float]) -> DraftLengths:
+    lengths = DraftLengths(tuple(costs))
+    for bucket, seconds in costs.items():
+        lengths.observe_step(bucket, 100.0)  # a bucket's first step (a compile) is not used
+        lengths.observe_step(bucket, seconds)
+    return lengths
+
+
+def _accepting(lengths: DraftLengths, request_id: str, rate: float, steps: int = 40) -> None:
+    kept = round(rate * 10)
+    for _ in range(steps // 10):  # verified 10 at a time: kept of them, each step of one
+        for _ in range(kept):
+            lengths.observe_verify(request_id, 1, 1)
+        for _ in range(10 - kept):
+            lengths.observe_verify(request_id, 1, 0)
+
+
+def test_every_draft_is_verified_while_the_step_costs_the_same():
+    lengths = _timed({8: 1.0, 16: 1.0, 32: 1.0})
+    assert lengths.choose([("a", 3), ("b", 2), ("c", 0)], 3) == [3, 2, 0]
+    assert DraftLengths((8, 16)).choose([("a", 3)], 1) == [3]  # nothing timed yet
+
+
+def test_drafts_stop_where_the_next_bucket_costs_more_than_they_give():
+    lengths = _timed({8: 1.0, 16: 1.9, 32: 4.0})
+    for request_id in "abcdefgh":
+        _accepting(lengths, request_id, 0.5)
+    # 8 decoding sequences: a 16-token step would have to give 1.9x the tokens
+    counts = lengths.choose([(r, 3) for r in "abcdefgh"], 8)
+    assert sum(counts) == 0
+    lengths.seconds[16] = 1.2  # now the next 8 drafts (0.5 each) pay for it
+    assert sum(lengths.choose([(r, 3) for r in "abcdefgh"], 8)) == 8
+
+
+def test_the_likeliest_kept_drafts_go_first_and_failing_sequences_get_none():
+    lengths = _timed({4: 1.0, 8: 1.5})
+    _accepting(lengths, "good", 0.9)
+    _accepting(lengths, "bad", 0.0)
+    assert lengths.acceptance("good") > 0.7 and lengths.acceptance("bad") < 0.2
+    counts = lengths.choose([("good", 5), ("bad", 5)], 2)
+    assert counts[1] == 0 and counts[0] >= 2  # 2 + its drafts fit the 4 bucket at least
+    lengths.forget("bad")  # a new sequence starts from the engine's rate
+    assert lengths.acceptance("bad") == pytest.approx((lengths.kept + 1) / (lengths.tested + 2))
+
+
+def test_a_bucket_not_timed_costs_as_the_largest_timed_below_it():
+    lengths = _timed({8: 2.0, 64: 9.0})
+    lengths.buckets = (8, 16, 32, 64)
+    assert lengths.cost(12) == 2.0 and lengths.cost(20) == 2.0 and lengths.cost(33) == 9.0
+    assert lengths.cost(3) == 2.0 and lengths.cost(1000) == 9.0
+
+
+def _run_switch(switch: SpeculationSwitch, steps: int, rates: dict[bool, float],
+                num_running: int = 1) -> list[bool]:
+    modes = []
+    for _ in range(steps):
+        mode = switch.choose(num_running)
+        modes.append(mode)
+        switch.observe(int(rates[mode]), 1.0)  # tokens in one second
+    return modes
+
+
+def test_the_switch_measures_both_modes_then_runs_the_faster_and_probes_the_other():
+    switch = SpeculationSwitch()
+    probe, every = SpeculationSwitch.PROBE_STEPS, SpeculationSwitch.EXPLORE_EVERY
+    modes = _run_switch(switch, 2 * (probe + 1) + 3 * (every + probe), {True: 30, False: 10})
+    # speculation measured first (probe steps), then the plain loop (one more: the switch's
+    # first step is not counted), then speculation, faster, with a probe of the other
+    assert modes[:probe] == [True] * probe
+    assert modes[probe:2 * probe + 1] == [False] * (probe + 1)
+    settled = modes[2 * probe + 1:]
+    assert settled.count(True) > 0.8 * len(settled) and settled.count(False) >= 2 * probe
+    # where the plain loop is faster, it runs (a second load class, its own measurements)
+    modes = _run_switch(switch, 2 * (probe + 1) + every, {True: 10, False: 30}, num_running=8)
+    settled = modes[2 * probe + 1:]
+    assert settled[:every - 1] == [False] * (every - 1)
+
+
+def test_the_switch_does_not_count_the_step_that_changes_mode():
+    switch = SpeculationSwitch()
+    for _ in range(SpeculationSwitch.PROBE_STEPS):
+        switch.choose(1)
+        switch.observe(10, 1.0)
+    assert switch.choose(1) is False  # the switch: the plain loop's first step
+    switch.observe(1000, 1.0)  # finishing the speculating step in flight: not counted
+    assert switch._rates.samples[False] == 0
