@@ -3,9 +3,10 @@ object.
 
 For each workload and batch size, the same requests through an engine without
 speculation (overlapped loop, the default, and serial: speculation steps serially) and
-with n-gram drafts (`--k` draft tokens at most, prompt lookup 1..3), the draft length
-chosen per sequence and step (`ngram`, the default) or always all proposed
-(`ngram_fixed`): output tokens/s (median of `--rounds` alternating rounds, after a
+with n-gram drafts (`--k` draft tokens at most, prompt lookup 1..3) or the embedded
+model's shipped draft model (`draft`, two dense layers of half the width), the draft
+length chosen per sequence and step (the default) or always all proposed (`*_fixed`):
+output tokens/s (median of `--rounds` alternating rounds, after a
 warm-up round that compiles), the ratios, the mean acceptance length (1 + kept drafts
 per verify step, vLLM's), drafts per verify step, the experts a MoE layer is expected
 to read per step (uniform routing, serving/metrics/step_cost.py) with and without
@@ -86,7 +87,7 @@ def compare(workload: str, batch: int, engines: dict, rounds: int) -> dict:
                 counts[name][i] += b - a
     median = {name: statistics.median(r) for name, r in rates.items()}
     row = {"workload": workload, "batch": batch, "output_tokens_per_s": median}
-    for name in ("ngram", "ngram_fixed"):
+    for name in [n for n in engines if not n.startswith("none")]:
         steps, drafted, kept = counts[name]
         per_step = drafted / steps if steps else 0.0
         row[name] = {"over_none": median[name] / median["none"],
@@ -105,6 +106,7 @@ def main() -> None:
     parser.add_argument("--rounds", type=int, default=3)
     parser.add_argument("--batches", type=int, nargs="+", default=[1, 8])
     parser.add_argument("--workloads", nargs="+", default=list(WORKLOADS), choices=WORKLOADS)
+    parser.add_argument("--no-draft", action="store_true", help="n-gram only")
     parser.add_argument("--out", default=None)
     args = parser.parse_args()
     spec = {"method": "ngram", "num_speculative_tokens": args.k, "prompt_lookup_min": 1,
@@ -115,6 +117,11 @@ def main() -> None:
                "ngram": LLM(**common, speculative_config=spec),
                "ngram_fixed": LLM(**common, speculative_config={
                    **spec, "adaptive_draft_length": False})}
+    if not args.no_draft:  # the embedded model's shipped draft (qwen_jax/assets)
+        draft = {"method": "draft_model", "num_speculative_tokens": args.k}
+        engines["draft"] = LLM(**common, speculative_config=draft)
+        engines["draft_fixed"] = LLM(**common, speculative_config={
+            **draft, "adaptive_draft_length": False})
     rows = [compare(w, b, engines, args.rounds) for w in args.workloads for b in args.batches]
     report = {"k": args.k, "rounds": args.rounds, "results": rows}
     print(json.dumps(report, indent=2))

@@ -41,6 +41,8 @@ from qwen_jax.safetensors_io import CheckpointReader
 
 ASSETS_DIR = Path(__file__).resolve().parent / "assets"
 DEFAULT_MODEL_DIR = ASSETS_DIR / "tiny-qwen3-moe"  # what LLM() and `qwen-jax serve` load
+# its draft model (speculative decoding's draft_model when no model is named)
+DEFAULT_DRAFT_DIR = ASSETS_DIR / "tiny-qwen3-draft"
 
 
 def list_models() -> list[str]:

@@ -1,6 +1,7 @@
 """Train the tiny Qwen3-MoE shipped in qwen_jax/assets/tiny-qwen3-moe (CPU, seeded).
 
     nice -n 10 python scripts/train_tiny.py [--out DIR] [--steps N]
+    nice -n 10 python scripts/train_tiny.py --draft --steps 1500   # its draft model
 
 Builds a byte-level BPE tokenizer with Qwen3's special tokens and chat template, trains a
 small Qwen3-MoE on the generated tasks of `qwen_jax.tasks` (loss on the assistant turn
@@ -37,6 +38,7 @@ from qwen_jax.moe import route
 from qwen_jax.tokenizer import compile_chat_template, normalize_messages
 
 DEFAULT_OUT = Path(__file__).resolve().parents[1] / "qwen_jax/assets/tiny-qwen3-moe"
+DRAFT_OUT = DEFAULT_OUT.with_name("tiny-qwen3-draft")
 MONITOR_SEED = 12_345
 SPECIAL = ("<|endoftext|>", "<|im_start|>", "<|im_end|>")
 # Added, not special (as in Qwen3, in Qwen3's id order).
@@ -167,6 +169,17 @@ def copy_maker(stage: int):
 
 
 # ---- model -------------------------------------------------------------------------------
+def draft_config(vocab_size: int, im_end: int, eot: int) -> ModelConfig:
+    """The tiny model's draft (speculative decoding's method draft_model): two dense
+    layers of half the width, the same vocabulary."""
+    return ModelConfig(
+        vocab_size=vocab_size, hidden_size=64, intermediate_size=128, num_hidden_layers=2,
+        num_attention_heads=2, num_key_value_heads=1, head_dim=32, rope_theta=10_000.0,
+        max_position_embeddings=1024, num_experts=8, num_experts_per_tok=2,
+        moe_intermediate_size=32, norm_topk_prob=True, mlp_only_layers=(0, 1),
+        bos_token_id=eot, eos_token_id=im_end)
+
+
 def tiny_config(vocab_size: int, im_end: int, eot: int) -> ModelConfig:
     return ModelConfig(
         vocab_size=vocab_size, hidden_size=128, intermediate_size=256, num_hidden_layers=4,
@@ -368,21 +381,29 @@ def main(argv=None) -> None:
     ap.add_argument("--vocab", type=int, default=1024,
                     help="tokenizer size limit (BPE stops earlier when no pair repeats)")
     ap.add_argument("--tokenizer-only", action="store_true")
+    ap.add_argument("--draft", action="store_true",
+                    help="train the tiny model's draft (two dense layers, draft_config) with "
+                         "the shipped tiny model's tokenizer, into qwen_jax/assets/"
+                         "tiny-qwen3-draft unless --out says otherwise")
     ap.add_argument("--init", type=Path, default=None,
                     help="continue training this checkpoint (its tokenizer and weights; the "
                          "copy task at full length) instead of starting from scratch")
     args = ap.parse_args(argv)
+    if args.draft and args.out == DEFAULT_OUT:
+        args.out = DRAFT_OUT
     jax.config.update("jax_default_matmul_precision", "highest")
     args.out.mkdir(parents=True, exist_ok=True)
 
-    tok = (Tokenizer.from_file(str(args.init / "tokenizer.json")) if args.init
+    tokenizer_dir = args.init or (DEFAULT_OUT if args.draft else None)
+    tok = (Tokenizer.from_file(str(tokenizer_dir / "tokenizer.json")) if tokenizer_dir
            else train_tokenizer(args.vocab - len(SPECIAL) - len(ADDED), args.seed))
     save_tokenizer(tok, args.out)
     if args.tokenizer_only:
         return
     pad_id = tok.token_to_id("<|endoftext|>")
     vocab = -(-tok.get_vocab_size() // 64) * 64
-    model = initial_model(args.init, tiny_config(vocab, tok.token_to_id("<|im_end|>"), pad_id),
+    config_fn = draft_config if args.draft else tiny_config
+    model = initial_model(args.init, config_fn(vocab, tok.token_to_id("<|im_end|>"), pad_id),
                           args.seed)
     print(f"dense forward check: max |diff| = {check_dense_forward(model, vocab):.2e}")
     jax.config.update("jax_default_matmul_precision", "default")

@@ -28,7 +28,8 @@ class SpeculativeConfig:
     num_speculative_tokens: int  # k: draft tokens checked per step
     prompt_lookup_min: int = 1   # ngram: shortest suffix n-gram looked up
     prompt_lookup_max: int | None = None  # ngram: longest (None: prompt_lookup_min)
-    model: str | None = None     # draft_model / eagle3: the draft's directory
+    # draft_model / eagle3: the draft's directory (None: the embedded model's shipped draft)
+    model: str | None = None
     # ours, not vLLM's: up to num_speculative_tokens drafts a sequence, chosen per step by
     # acceptance and step cost (serving/core/draft_length.py); False: always all proposed
     adaptive_draft_length: bool = True
@@ -51,9 +52,8 @@ class SpeculativeConfig:
                 f"an int >= prompt_lookup_min={self.prompt_lookup_min}")
         require(isinstance(self.adaptive_draft_length, bool),
                 f"{field}.adaptive_draft_length", self.adaptive_draft_length, "true or false")
-        if self.method == "draft_model":
-            require(bool(self.model), f"{field}.model", self.model,
-                    "the draft model's directory for method 'draft_model'")
+        require(self.model is None or isinstance(self.model, str) and self.model,
+                f"{field}.model", self.model, "a model directory or name")
 
     @classmethod
     def parse(cls, value: str | Mapping | SpeculativeConfig | None

@@ -15,7 +15,7 @@ from serving.core.speculative import SpeculativeConfig
 
 DTYPES = ("auto", *PARAM_DTYPES)  # auto: float32 on CPU, bfloat16 on GPU
 IMPLS = ("auto", *pallas_kernels.IMPLS)  # auto: pallas on GPU, reference elsewhere
-ENGINE_METHODS = ("ngram",)  # the speculative methods the engine runs
+ENGINE_METHODS = ("ngram", "draft_model")  # the speculative methods the engine runs
 
 
 @dataclasses.dataclass(frozen=True, kw_only=True)

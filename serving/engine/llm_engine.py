@@ -97,13 +97,15 @@ class LLMEngine:
         self.num_overlapped_steps = 0  # dispatched while the step before was in flight
         self._last_retired = 0.0
         spec = config.speculative_config
-        self.speculator = (None if spec is None else
-                           Speculator(spec, self.scheduler_config.token_bucket_sizes))
+        self.speculator = (None if spec is None else Speculator(
+            spec, self.scheduler_config.token_bucket_sizes, setup.draft))
         if config.precompile:
             self.compile_seconds = self.runner.precompile(self.bucket_pairs,
                                                           progress=config.show_progress)
             if self.swap_store is not None:
                 self.swap_store.compile(self.runner.kv_caches)
+            if setup.draft is not None:  # the draft model's proposals, per bucket too
+                self.compile_seconds += setup.draft.runner.precompile(self.bucket_pairs)
 
     # ---- construction ------------------------------------------------------------------
     @property

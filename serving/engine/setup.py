@@ -13,13 +13,17 @@ from qwen_jax.params import resolve_kv_cache_dtype
 from qwen_jax.planner import kv_bytes_per_page
 from qwen_jax.sharding import make_mesh, tp_size
 from qwen_jax.tokenizer import Tokenizer
+from qwen_jax.validation import require
+from qwen_jax.weights import DEFAULT_DRAFT_DIR, DEFAULT_MODEL_DIR, resolve_model_path
 from serving.core.buckets import bucket_pairs
 from serving.core.config import SchedulerConfig
 from serving.core.kv_cache_manager import KVCacheManager
 from serving.core.scheduler import Scheduler
 from serving.core.swap import SwapManager
 from serving.engine.config import EngineConfig
+from serving.engine.draft_proposer import DraftModelProposer
 from serving.executor import distributed, kv_cache
+from serving.executor.draft_runner import DraftRunner
 from serving.executor.model_inputs import PageTable
 from serving.executor.model_runner import ModelRunner
 from serving.executor.swap_store import SwapStore
@@ -71,10 +75,37 @@ class CacheSetup:
     scheduler: Scheduler
     runner: ModelRunner
     bucket_pairs: list
+    draft: DraftModelProposer | None = None  # speculative method draft_model
+
+
+def load_draft_model(config: EngineConfig, target: Qwen3ForCausalLM, mesh
+                     ) -> Qwen3ForCausalLM | None:
+    """The draft model of `speculative_config` method draft_model (else None): in the
+    target's dtype, kernels and mesh; its vocabulary must be the target's."""
+    spec = config.speculative_config
+    if spec is None or spec.method != "draft_model":
+        return None
+    path = spec.model
+    if path is None:  # the embedded model has a draft of its own
+        require(resolve_model_path(config.model or DEFAULT_MODEL_DIR).resolve()
+                == DEFAULT_MODEL_DIR.resolve(),
+                "speculative_config.model", None, "the draft model's directory (only the "
+                "embedded model has a default draft)")
+        path = DEFAULT_DRAFT_DIR
+    draft = Qwen3ForCausalLM.from_pretrained(
+        resolve_model_path(path), model_dtype(config), impl=model_impl(config),
+        load_format=config.load_format, seed=config.seed, mesh=mesh)
+    vocab = target.config.vocab_size
+    require(draft.config.vocab_size == vocab, "speculative_config.model", spec.model,
+            f"a model with the target's vocabulary of {vocab} tokens (it has "
+            f"{draft.config.vocab_size})")
+    return draft
 
 
 def build_cache(config: EngineConfig, model: Qwen3ForCausalLM, mesh) -> CacheSetup:
-    """Size and allocate the KV cache, then the scheduler and runner that use it."""
+    """Size and allocate the KV cache, then the scheduler and runner that use it; with a
+    draft model (load_draft_model), its own cache of the same pages (sized together)."""
+    draft = load_draft_model(config, model, mesh)
     sched, cache, model_config = config.scheduler, config.cache, model.config
     if sched.max_model_len is None:  # vLLM takes the model's; capped to keep the page
         # table (and the CPU reference attention, which reads all of it) small
@@ -90,7 +121,9 @@ def build_cache(config: EngineConfig, model: Qwen3ForCausalLM, mesh) -> CacheSet
     dtype = resolve_kv_cache_dtype(cache.kv_cache_dtype, model.dtype)
     max_pages = 1 + sched.max_num_seqs * pages_per_seq
     bytes_per_page = kv_bytes_per_page(model_config, page_size, dtype, tp_size(mesh))
-    num_pages = kv_cache.num_pages_to_allocate(cache, bytes_per_page, max_pages)
+    draft_bytes = (0 if draft is None else
+                   kv_bytes_per_page(draft.config, page_size, dtype, tp_size(mesh)))
+    num_pages = kv_cache.num_pages_to_allocate(cache, bytes_per_page + draft_bytes, max_pages)
     caches = kv_cache.allocate(model, num_pages, page_size, dtype)
     kv_manager = KVCacheManager(num_pages, page_size, cache.enable_prefix_caching)
     page_table = PageTable(pages_per_seq, sched.max_num_seqs)
@@ -106,6 +139,14 @@ def build_cache(config: EngineConfig, model: Qwen3ForCausalLM, mesh) -> CacheSet
     runner = ModelRunner(model, caches, max_model_len=max_model_len,
                          pages_per_seq=pages_per_seq, mesh=mesh,
                          max_num_seqs=max(sched.seq_bucket_sizes))
+    proposer = None
+    if draft is not None:
+        proposer = DraftModelProposer(
+            DraftRunner(draft, kv_cache.allocate(draft, num_pages, page_size, dtype),
+                        num_drafts=config.speculative_config.num_speculative_tokens,
+                        page_size=page_size, pages_per_seq=pages_per_seq),
+            page_table, page_size=page_size, pages_per_seq=pages_per_seq,
+            token_buckets=sched.token_bucket_sizes, seq_buckets=sched.seq_bucket_sizes)
     return CacheSetup(sched, page_size, pages_per_seq, dtype, bytes_per_page, num_pages,
                       kv_manager, page_table, swap_store, scheduler, runner,
-                      bucket_pairs(sched.token_bucket_sizes, sched.seq_bucket_sizes))
+                      bucket_pairs(sched.token_bucket_sizes, sched.seq_bucket_sizes), proposer)

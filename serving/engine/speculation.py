@@ -37,6 +37,7 @@ from serving.core.draft_length import DraftLengths, SpeculationSwitch
 from serving.core.request import Request
 from serving.core.scheduler_output import SchedulerOutput
 from serving.core.speculative import SpeculativeConfig, propose_ngram
+from serving.engine.draft_proposer import DraftModelProposer
 from serving.engine.output_processor import SeqState
 
 
@@ -48,8 +49,10 @@ def speculates(seq: SeqState) -> bool:
 class Speculator:
     """Proposes drafts and verifies them; counts what vLLM's spec-decode metrics count."""
 
-    def __init__(self, config: SpeculativeConfig, token_buckets: tuple[int, ...]):
+    def __init__(self, config: SpeculativeConfig, token_buckets: tuple[int, ...],
+                 draft: DraftModelProposer | None = None):
         self.config = config
+        self.draft = draft  # method draft_model: the draft model's proposer
         k = config.num_speculative_tokens
         adaptive = config.adaptive_draft_length
         self.lengths = DraftLengths(token_buckets) if adaptive else None
@@ -78,9 +81,8 @@ class Speculator:
 
     def propose(self, running: list[Request], seqs: dict[str, SeqState]) -> None:
         """Sets each running decoding sequence's draft tokens (none for the others)."""
-        config = self.config
         self._began = time.perf_counter()  # the step's start: see verify
-        proposed: list[Request] = []
+        eligible: list[tuple[Request, int]] = []
         for request in running:
             request.draft_token_ids = []
             seq = seqs.get(request.request_id)
@@ -90,22 +92,33 @@ class Speculator:
                 continue
             # room for the drafts and the token after them within max_tokens / the model
             room = (request.max_num_tokens or num_tokens + 1) - num_tokens - 1
-            k = min(config.num_speculative_tokens, room)
+            k = min(self.config.num_speculative_tokens, room)
             if k > 0:
-                request.draft_token_ids = drafts = propose_ngram(
-                    request.all_token_ids, k=k, min_n=config.prompt_lookup_min,
-                    max_n=config.prompt_lookup_max or config.prompt_lookup_min)
-                if drafts:
-                    proposed.append(request)
+                eligible.append((request, k))
+        proposed = []
+        for (request, _), drafts in zip(eligible, self._drafts(eligible)):
+            if drafts:
+                request.draft_token_ids = drafts
+                proposed.append(request)
         if self.lengths is not None and proposed:
             counts = self.lengths.choose(
                 [(r.request_id, len(r.draft_token_ids)) for r in proposed], len(running))
             for request, count in zip(proposed, counts):
                 del request.draft_token_ids[count:]
 
+    def _drafts(self, eligible: list[tuple[Request, int]]) -> list[list[int]]:
+        if self.draft is not None:
+            return self.draft.propose([r for r, _ in eligible], [k for _, k in eligible])
+        config = self.config
+        return [propose_ngram(request.all_token_ids, k=k, min_n=config.prompt_lookup_min,
+                              max_n=config.prompt_lookup_max or config.prompt_lookup_min)
+                for request, k in eligible]
+
     def forget(self, request_id: str) -> None:
         if self.lengths is not None:
             self.lengths.forget(request_id)
+        if self.draft is not None:
+            self.draft.forget(request_id)
 
     def verify(self, out: SchedulerOutput, tokens: list[int]
                ) -> dict[int, list[tuple[int, int]]]:

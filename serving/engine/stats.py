@@ -21,12 +21,19 @@ def kv_stats(engine) -> dict:
         "prefix_cache_queries": kv.pool.num_queried_tokens,
         "prefix_cache_hits": kv.pool.num_hit_tokens,
         "num_overlapped_steps": engine.num_overlapped_steps,
-        "num_compiles": engine.runner.num_compiles + (
-            engine.swap_store.num_compiles if engine.swap_store is not None else 0),
+        "num_compiles": engine.runner.num_compiles + sum(
+            part.num_compiles for part in (engine.swap_store, _draft_runner(engine))
+            if part is not None),
         "bytes_per_page": engine.bytes_per_page,
         "kv_capacity_tokens": engine.kv_capacity_tokens,
         **spec_decode_stats(engine.speculator),
     }
+
+
+def _draft_runner(engine):
+    speculator = engine.speculator
+    draft = None if speculator is None else speculator.draft
+    return None if draft is None else draft.runner
 
 
 def spec_decode_stats(speculator) -> dict:

@@ -1,6 +1,6 @@
-"""N-gram speculative decoding in the engine (serving/engine/speculation.py): greedy texts
-identical to the engine without it, in every scheduling mode, with drafts really kept,
-and no page left behind."""
+"""Speculative decoding in the engine (serving/engine/speculation.py), n-gram and draft
+model: greedy texts identical to the engine without it, in every scheduling mode, with
+drafts really kept, and no page left behind."""
 
 from __future__ import annotations
 
@@ -13,6 +13,11 @@ from serving.bench.eval_tasks import TINY_MODEL, chat_template, generate_texts, 
 NGRAM = {"method": "ngram", "num_speculative_tokens": 3, "prompt_lookup_min": 1,
          "prompt_lookup_max": 3, "adaptive_draft_length": False}
 EVERY_TASK = (tasks.TASKS, 2)
+# the tiny model as its own draft: every draft is the target's greedy token but where a
+# draft's position is in a page not allocated yet (its K/V in the scratch page)
+SELF_DRAFT = {"method": "draft_model", "model": str(TINY_MODEL), "num_speculative_tokens": 3,
+              "adaptive_draft_length": False}
+PROPOSERS = {"ngram": NGRAM, "self_draft": SELF_DRAFT}
 # 16 list prompts of 2 pages each in 20 pages of 16 tokens: they run out of pages while
 # decoding into their third (as in tests/e2e/test_tiny_model.py)
 LISTS = (("reverse", "sort"), 8)
@@ -63,18 +68,22 @@ def _spec_counts(llm) -> tuple[int, int]:
 
 
 @pytest.mark.slow
+@pytest.mark.parametrize("proposer", PROPOSERS)
 @pytest.mark.parametrize("name", CONFIGS)
-def test_greedy_texts_equal_the_engine_without_speculation(name, plain_texts, request):
+def test_greedy_texts_equal_the_engine_without_speculation(name, proposer, plain_texts, request):
     options, prompts = CONFIGS[name]
-    llm = (request.getfixturevalue("spec_llm") if name == "all_at_once"
-           else _llm(**options, speculative_config=NGRAM))
+    llm = (request.getfixturevalue("spec_llm") if (name, proposer) == ("all_at_once", "ngram")
+           else _llm(**options, speculative_config=PROPOSERS[proposer]))
     passes = 2 if options["enable_prefix_caching"] else 1  # the second hits the cache
     for _ in range(passes):
         assert generate_texts(llm, _prompts(*prompts)) == plain_texts[prompts]
     stats = llm.stats()
     assert stats["spec_decode_num_accepted_tokens"] > 0, "no draft was ever kept"
-    assert stats["spec_decode_num_accepted_tokens"] < stats["spec_decode_num_draft_tokens"]
-    assert stats["spec_decode_mean_acceptance_length"] > 1
+    if proposer == "ngram":
+        assert stats["spec_decode_num_accepted_tokens"] < stats["spec_decode_num_draft_tokens"]
+        assert stats["spec_decode_mean_acceptance_length"] > 1
+    else:  # the draft cache follows every preemption, swap and prefix hit
+        assert stats["spec_decode_mean_acceptance_length"] > 3.0
     if name.startswith("tiny_pool"):
         assert stats["num_preemptions"] > 0
     if name == "tiny_pool_swaps":
@@ -130,12 +139,15 @@ def test_seeded_samples_keep_only_the_drafts_the_target_draws(plain_llm, spec_ll
     assert new_drafts > 0 and new_accepted > 0
 
 
-def test_the_adaptive_engine_speculates_and_overlaps_by_turns_with_the_same_tokens(plain_llm):
+@pytest.mark.parametrize("proposer", PROPOSERS)
+def test_the_adaptive_engine_speculates_and_overlaps_by_turns_with_the_same_tokens(
+        plain_llm, proposer):
     # adaptive_draft_length (the default): drafts per sequence by acceptance and step cost,
     # and steps with or without speculation by measured tokens/s; it tries both at first,
-    # so both kinds of step run here, switching while sequences decode.
+    # so both kinds of step run here, switching while sequences decode (the draft model's
+    # cache catches up on the tokens of the steps without it).
     llm = _llm(enable_prefix_caching=False,
-               speculative_config={**NGRAM, "adaptive_draft_length": True})
+               speculative_config={**PROPOSERS[proposer], "adaptive_draft_length": True})
     prompts = _prompts(tasks.TASKS, 2)
     params = [SamplingParams(temperature=0, max_tokens=48, ignore_eos=True),
               SamplingParams(temperature=0.8, seed=11, max_tokens=48, ignore_eos=True)]
@@ -147,6 +159,30 @@ def test_the_adaptive_engine_speculates_and_overlaps_by_turns_with_the_same_toke
     assert stats["spec_decode_num_accepted_tokens"] > 0
     assert llm.llm_engine.num_overlapped_steps > 0
     assert stats["num_used_pages"] == 0
+
+
+def test_seeded_samples_with_a_draft_model_equal_the_plain_engine(plain_llm):
+    # the draft proposes greedily: one token each, kept while the target's draw equals it
+    llm = _llm(enable_prefix_caching=False, speculative_config=SELF_DRAFT)
+    prompts = _prompts(("reverse", "add"), 2)
+    params = [SamplingParams(temperature=0.7, top_k=10, seed=seed, max_tokens=40,
+                             ignore_eos=True) for seed in range(4)]
+    plain = plain_llm.generate(prompts, params)
+    assert ([o.outputs[0].token_ids for o in llm.generate(prompts, params)]
+            == [o.outputs[0].token_ids for o in plain])
+    stats = llm.stats()
+    assert 1.5 < stats["spec_decode_mean_acceptance_length"] < 4  # the draws differ at times
+
+
+def test_the_draft_model_compiles_at_start_up_only():
+    llm = LLM(model=str(TINY_MODEL), show_progress=False, max_num_seqs=8,
+              max_num_batched_tokens=64, enable_prefix_caching=False,
+              speculative_config=SELF_DRAFT)
+    compiled = llm.stats()["num_compiles"]
+    assert compiled == 2 * len(llm.llm_engine.bucket_pairs)  # the target's and the draft's
+    llm.generate(_prompts(tasks.TASKS, 2), SamplingParams(temperature=0, max_tokens=24))
+    assert llm.stats()["num_compiles"] == compiled
+    assert llm.stats()["spec_decode_num_accepted_tokens"] > 0
 
 
 def test_max_tokens_bounds_the_drafts(plain_llm, spec_llm):
@@ -161,13 +197,22 @@ def test_max_tokens_bounds_the_drafts(plain_llm, spec_llm):
 
 @pytest.mark.parametrize("config, match", [
     ({"method": "eagle3", "num_speculative_tokens": 3, "model": "/x"},
-     "speculative_config.method must be one of ngram .*, got 'eagle3'"),
+     "speculative_config.method must be one of ngram, draft_model .*, got 'eagle3'"),
     ('{"method": "ngram"}', "speculative_config.num_speculative_tokens"),
 ])
 def test_unsupported_configs_are_refused_at_start(config, match):
     from serving.engine.config import EngineConfig
     with pytest.raises((ValueError, TypeError), match=match):
         EngineConfig(speculative_config=config)
+
+
+def test_a_draft_model_of_another_vocabulary_is_refused_at_start(tmp_path):
+    from tests.helpers.hf import save_hf_model
+    save_hf_model(tmp_path, moe=False, vocab_size=96, seed=1)
+    with pytest.raises(ValueError, match=r"speculative_config.model must be a model with the "
+                                         r"target's vocabulary of 896 tokens \(it has 96\)"):
+        _llm(speculative_config={"method": "draft_model", "model": str(tmp_path),
+                                 "num_speculative_tokens": 2})
 
 
 def test_metrics_use_vllms_spec_decode_names():

@@ -58,12 +58,16 @@ def test_layout_matches_single_device_tokens(ckpt, prompts, single_device, layou
     assert stats["num_free_pages"] == stats["num_total_pages"]
 
 
+@pytest.mark.parametrize("method", ["ngram", "draft_model"])
 def test_speculative_decoding_under_tp_x_ep_matches_single_device_tokens(ckpt, prompts,
-                                                                          single_device):
-    # rows for the 4 sequences and their drafts: a sequence bucket of 16
+                                                                          single_device, method):
+    # rows for the 4 sequences and their drafts: a sequence bucket of 16; the draft model
+    # is the target itself, sharded as it is
     args = {**ARGS, "max_num_seqs": 16, "seq_buckets": [16]}
     llm = LLM(ckpt, compilation_cache_dir=None, **args, **LAYOUTS["tp2_ep4"],
-              speculative_config={"method": "ngram", "num_speculative_tokens": 3})
+              speculative_config={"method": method, "num_speculative_tokens": 3,
+                                  "adaptive_draft_length": False,
+                                  **({"model": ckpt} if method == "draft_model" else {})})
     assert [o.outputs[0].token_ids for o in llm.generate(prompts, GREEDY)] == single_device
     stats = llm.stats()
     assert stats["spec_decode_num_draft_tokens"] > 0
