@@ -202,7 +202,7 @@ async def run_benchmark(requests: list[BenchRequest], *, base_url: str, endpoint
                         model: str | None, request_rate: float, burstiness: float,
                         max_concurrency: int | None, seed: int, ignore_eos: bool,
                         tokenizer=None, warmup: bool = True, metrics_interval: float = 0.0
-                        ) -> tuple[list[RequestResult], float, dict]:
+                        ) -> tuple[list[RequestResult], float, dict, dict]:
     """(results, duration, timeline, speculative-decoding figures: spec_decode_report);
     each result's `start` is seconds into the run."""
     url = base_url.rstrip("/") + endpoint

@@ -52,7 +52,7 @@ class SpeculativeConfig:
                 f"an int >= prompt_lookup_min={self.prompt_lookup_min}")
         require(isinstance(self.adaptive_draft_length, bool),
                 f"{field}.adaptive_draft_length", self.adaptive_draft_length, "true or false")
-        require(self.model is None or isinstance(self.model, str) and self.model,
+        require(self.model is None or isinstance(self.model, str) and bool(self.model),
                 f"{field}.model", self.model, "a model directory or name")
 
     @classmethod

@@ -85,7 +85,7 @@ def load_draft_model(config: EngineConfig, target: Qwen3ForCausalLM, mesh
     spec = config.speculative_config
     if spec is None or spec.method != "draft_model":
         return None
-    path = spec.model
+    path: str | Path | None = spec.model
     if path is None:  # the embedded model has a draft of its own
         require(resolve_model_path(config.model or DEFAULT_MODEL_DIR).resolve()
                 == DEFAULT_MODEL_DIR.resolve(),
@@ -93,7 +93,7 @@ def load_draft_model(config: EngineConfig, target: Qwen3ForCausalLM, mesh
                 "embedded model has a default draft)")
         path = DEFAULT_DRAFT_DIR
     draft = Qwen3ForCausalLM.from_pretrained(
-        resolve_model_path(path), model_dtype(config), impl=model_impl(config),
+        resolve_model_path(path or DEFAULT_DRAFT_DIR), model_dtype(config), impl=model_impl(config),
         load_format=config.load_format, seed=config.seed, mesh=mesh)
     vocab = target.config.vocab_size
     require(draft.config.vocab_size == vocab, "speculative_config.model", spec.model,
@@ -139,11 +139,11 @@ def build_cache(config: EngineConfig, model: Qwen3ForCausalLM, mesh) -> CacheSet
     runner = ModelRunner(model, caches, max_model_len=max_model_len,
                          pages_per_seq=pages_per_seq, mesh=mesh,
                          max_num_seqs=max(sched.seq_bucket_sizes))
-    proposer = None
-    if draft is not None:
+    proposer, spec = None, config.speculative_config
+    if draft is not None and spec is not None:
         proposer = DraftModelProposer(
             DraftRunner(draft, kv_cache.allocate(draft, num_pages, page_size, dtype),
-                        num_drafts=config.speculative_config.num_speculative_tokens,
+                        num_drafts=spec.num_speculative_tokens,
                         page_size=page_size, pages_per_seq=pages_per_seq),
             page_table, page_size=page_size, pages_per_seq=pages_per_seq,
             token_buckets=sched.token_bucket_sizes, seq_buckets=sched.seq_bucket_sizes)
