@@ -2,7 +2,8 @@
 OUTDIR/probe.jsonl as one JSON line the moment it is measured.
 
     PYTHONPATH=. python3 benchmarks/device_probe.py --out OUTDIR \\
-        [--stages env,check,attention,matmul,engine,offline] [--timeout STAGE=SECONDS]
+        [--stages env,check,attention,matmul,engine,offline[,speculative]]
+        [--timeout STAGE=SECONDS]
         [--num-gpu-blocks-override 5200] [--quantization fp8|int8|awq] [--small]
 
 Run from the repo root; nothing is installed. Stages run in this order, each in its own
@@ -24,6 +25,10 @@ so, and the next stage runs):
              engine's thread, and the serial loop (--loops), then the overlapped loop
              with Qwen3's recommended sampling (--sampled-loops): output tok/s, execute
              ms, host ms and how long a dispatch holds the engine's thread per step
+  speculative  (only when asked) the verify-cost curve: Qwen3-30B-A3B with a Qwen3-0.6B
+             draft model, dummy weights, greedy decode at 1 and 8 sequences verifying k
+             = 1..5 drafts every step (against k = 0, no speculation): step execute ms,
+             output tok/s, the experts a MoE layer is expected to read per step
 
 --quantization fp8 (or int8, awq): the engine and offline stages with quantised weights,
 to set beside a run without it (`--stages engine,offline --quantization fp8`); the matmul
@@ -46,10 +51,12 @@ import sys
 import threading
 import time
 
-STAGES = ("env", "check", "attention", "matmul", "engine", "offline")
-# Seconds per stage on an H200, at most (under 9 minutes in all; a run takes less).
+STAGES = ("env", "check", "attention", "matmul", "engine", "offline", "speculative")
+DEFAULT_STAGES = STAGES[:-1]  # speculative: when asked (--stages speculative)
+# Seconds per stage on an H200, at most (the default stages under 9 minutes in all; a run
+# takes less).
 TIMEOUTS = {"env": 60, "check": 60, "attention": 45, "matmul": 60, "engine": 150,
-            "offline": 150}
+            "offline": 150, "speculative": 240}
 REPO = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 
 
@@ -249,6 +256,53 @@ def stage_offline(emit, args, engine):
     engine.scheduler_config, engine.runner.dispatch_thread = config, thread
 
 
+def stage_speculative(emit, args, arm):
+    """Step time against drafts verified per step: one engine with a draft model and k =
+    5 drafts at most, trimmed to each k (adaptive off: every step verifies k drafts; the
+    dummy draft's are rejected, so each step emits one token), k = 0 without it."""
+    import dataclasses
+
+    import numpy as np
+
+    from serving.core.request import SamplingParams
+    from serving.engine.config import engine_config_from_kwargs
+    from serving.engine.llm_engine import LLMEngine
+    from serving.metrics.step_cost import expected_experts_touched
+
+    kwargs = engine_kwargs(args)
+    kwargs.update(max_num_seqs=8, seq_buckets=[8, 16, 64],
+                  token_buckets=[8, 16, 32, 64] + ([] if args.small else [2048]))
+    draft = None if args.small else "qwen3-0.6b"  # small: the embedded model's own draft
+    engine = LLMEngine(engine_config_from_kwargs(
+        kwargs.pop("model"), show_progress=False, compilation_cache_dir=None,
+        precompile=False, enable_prefix_caching=False, speculative_config={
+            "method": "draft_model", "num_speculative_tokens": 5, "model": draft,
+            "adaptive_draft_length": False}, **kwargs))
+    speculator, config = engine.speculator, engine.speculator.config
+    in_len, out_len = (40, 8) if args.small else (1024, 64)
+    params = SamplingParams(temperature=0.0, max_tokens=out_len, ignore_eos=True)
+    rng = np.random.default_rng(2)
+    cfg = engine.model_config
+    for batch in (1, 8):
+        prompts = [rng.integers(2, cfg.vocab_size - 1, in_len).tolist() for _ in range(batch)]
+        for k in (0, 1, 2, 3, 4, 5):
+            engine.speculator = speculator if k else None
+            if k:
+                speculator.config = dataclasses.replace(config, num_speculative_tokens=k)
+            for run in ("warm", "timed"):  # the first compiles this k's buckets
+                before = speculator.num_drafts, speculator.num_accepted_tokens
+                row = _offline_run(engine, prompts, params, f"spec{batch}-{k}-{run}", 64)
+            drafts = speculator.num_drafts - before[0]
+            emit("speculative", batch=batch, k=k, output_tok_s=round(
+                batch * out_len / row["wall_s"], 1), steps=row["steps"],
+                step_execute_ms_p50=row["decode_execute_ms_p50"],
+                acceptance_length=(1 + (speculator.num_accepted_tokens - before[1]) / drafts
+                                   if drafts else None),
+                experts_per_layer_step=round(expected_experts_touched(
+                    batch * (1 + k), cfg.num_experts, cfg.num_experts_per_tok), 2))
+    engine.speculator = speculator
+
+
 def _offline_run(engine, prompts, params, prefix, decode_tokens):
     """The prompts through LLMEngine.step until all finish: per step, its bucket, device
     seconds (dispatch or the step before's end to its tokens read) and the host's rest."""
@@ -372,7 +426,7 @@ def _git_head():
 RUNNERS = {"env": stage_env, "check": _kernel_stage("check", ["check"]),
            "attention": _kernel_stage("attention", ["attention"]),
            "matmul": _kernel_stage("matmul", ["grouped_matmul", "stacked_matmul", "kv_write"]),
-           "engine": stage_engine}
+           "engine": stage_engine, "speculative": stage_speculative}
 
 
 # ---- the parent: stages in order, each under its timeout -------------------------------
@@ -397,7 +451,7 @@ def run_stage(stage, args, emit, argv):
 def parse_args(argv):
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--out", required=True, help="folder; results go to probe.jsonl")
-    parser.add_argument("--stages", default=",".join(STAGES))
+    parser.add_argument("--stages", default=",".join(DEFAULT_STAGES))
     parser.add_argument("--timeout", action="append", default=[],
                         help="STAGE=SECONDS, repeatable (defaults: %s)" % TIMEOUTS)
     parser.add_argument("--num-gpu-blocks-override", type=int, default=5200)

@@ -6,11 +6,11 @@ speculation (overlapped loop, the default, and serial: speculation steps seriall
 with n-gram drafts (`--k` draft tokens at most, prompt lookup 1..3) or the embedded
 model's shipped draft model (`draft`, two dense layers of half the width), the draft
 length chosen per sequence and step (the default) or always all proposed (`*_fixed`):
-output tokens/s (median of `--rounds` alternating rounds, after a
-warm-up round that compiles), the ratios, the mean acceptance length (1 + kept drafts
-per verify step, vLLM's), drafts per verify step, the experts a MoE layer is expected
-to read per step (uniform routing, serving/metrics/step_cost.py) with and without
-drafts, and whether every text is the same. Workloads: `tasks` (the tiny model's four
+output tokens/s (median of `--rounds` alternating rounds, after a warm-up round; every
+bucket compiled at start-up, as when serving), the ratios, the mean acceptance length
+(1 + kept drafts per verify step, vLLM's), drafts per verify step, the experts a MoE
+layer is expected to read per step (uniform routing, serving/metrics/step_cost.py) with
+and without drafts, and whether every text is the same. Workloads: `tasks` (the tiny model's four
 tasks, greedy: short answers after long prompts), `repeat` (its copy task only),
 `continue` (the four tasks with `ignore_eos` and 128 tokens: past its answer the model
 goes on repeating its own text, so decoding dominates) and `sampled` (`continue` at
@@ -76,7 +76,7 @@ def compare(workload: str, batch: int, engines: dict, rounds: int) -> dict:
     rates: dict[str, list[float]] = {name: [] for name in engines}
     texts: dict[str, list[str]] = {}
     counts = {name: [0, 0, 0] for name in engines}
-    for llm in engines.values():  # warm-up: compiles this batch's buckets
+    for llm in engines.values():  # warm-up
         _run(llm, prompts, batch, params)
     for _ in range(rounds):
         for name, llm in engines.items():
@@ -111,8 +111,12 @@ def main() -> None:
     args = parser.parse_args()
     spec = {"method": "ngram", "num_speculative_tokens": args.k, "prompt_lookup_min": 1,
             "prompt_lookup_max": 3}
-    common = dict(model=str(TINY_MODEL), precompile=False, show_progress=False,
-                  enable_prefix_caching=False)
+    # every bucket compiled at start-up; few of them: six engines share this process (an
+    # executable maps ~700 regions on CPU, a process may map 65,530). A step's rows (a
+    # sequence's, one per draft) fit max_num_seqs: 32 for 8 sequences and 3 drafts each.
+    common = dict(model=str(TINY_MODEL), show_progress=False, enable_prefix_caching=False,
+                  max_num_seqs=32, max_num_batched_tokens=512, token_buckets=[16, 64, 512],
+                  seq_buckets=[8, 32])
     engines = {"none": LLM(**common), "none_serial": LLM(**common, async_scheduling=False),
                "ngram": LLM(**common, speculative_config=spec),
                "ngram_fixed": LLM(**common, speculative_config={

@@ -206,6 +206,26 @@ def test_unsupported_configs_are_refused_at_start(config, match):
         EngineConfig(speculative_config=config)
 
 
+def test_the_embedded_model_drafts_with_its_shipped_draft_model(plain_llm, plain_texts):
+    # {"method": "draft_model"} without a model: qwen_jax/assets/tiny-qwen3-draft, two
+    # dense layers trained on the same tasks (scripts/train_tiny.py --draft)
+    llm = _llm(enable_prefix_caching=False, speculative_config={
+        "method": "draft_model", "num_speculative_tokens": 3, "adaptive_draft_length": False})
+    draft = llm.llm_engine.speculator.draft.runner.config
+    assert (draft.num_hidden_layers, draft.hidden_size) == (2, 64)
+    assert generate_texts(llm, _prompts(*EVERY_TASK)) == plain_texts[EVERY_TASK]
+    assert llm.stats()["spec_decode_mean_acceptance_length"] > 2.5
+
+
+def test_a_draft_model_is_needed_for_another_target(tmp_path):
+    from tests.helpers.hf import save_hf_model
+    save_hf_model(tmp_path, moe=False, vocab_size=96, seed=1)
+    with pytest.raises(ValueError, match="speculative_config.model must be the draft model's "
+                                         "directory"):
+        LLM(model=str(tmp_path), precompile=False, show_progress=False,
+            speculative_config={"method": "draft_model", "num_speculative_tokens": 2})
+
+
 def test_a_draft_model_of_another_vocabulary_is_refused_at_start(tmp_path):
     from tests.helpers.hf import save_hf_model
     save_hf_model(tmp_path, moe=False, vocab_size=96, seed=1)
