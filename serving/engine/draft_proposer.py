@@ -35,7 +35,8 @@ class DraftModelProposer:
     def propose(self, requests: Sequence[Request], ks: Sequence[int]) -> list[list[int]]:
         """Up to ks[i] drafts for requests[i] (each decoding: its last token is known)."""
         budget = max(self.token_buckets)
-        scheduled, complete = [], []
+        scheduled: list[ScheduledSeq] = []
+        rows: list[int | None] = []  # per request: its drafts' row, if its catch-up ends
         for request in requests:
             done, preemptions = self._computed.get(request.request_id,
                                                    (0, request.num_preemptions))
@@ -45,11 +46,11 @@ class DraftModelProposer:
             start = min(done, num_tokens - 1)  # the last token's row gives the first draft
             num = min(num_tokens - start, budget)
             if num <= 0:
-                complete.append(False)
+                rows.append(None)
                 continue
             budget -= num
+            rows.append(len(scheduled) if start + num == num_tokens else None)
             scheduled.append(ScheduledSeq(request, num, start, True))
-            complete.append(start + num == num_tokens)
             allocated = len(request.page_ids) * self.page_size
             self._computed[request.request_id] = (min(start + num, allocated),
                                                   request.num_preemptions)
@@ -59,14 +60,7 @@ class DraftModelProposer:
                                     self.seq_buckets, self.page_size, self.pages_per_seq,
                                     None, self.page_table)
         drafts = self.runner.propose(inputs).tolist()
-        out, row = [], 0
-        for request, k, whole in zip(requests, ks, complete):
-            if row < len(scheduled) and scheduled[row].request is request:
-                out.append(drafts[row][:k] if whole else [])
-                row += 1
-            else:
-                out.append([])
-        return out
+        return [[] if row is None else drafts[row][:k] for row, k in zip(rows, ks)]
 
     def forget(self, request_id: str) -> None:
         self._computed.pop(request_id, None)

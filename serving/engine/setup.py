@@ -85,15 +85,14 @@ def load_draft_model(config: EngineConfig, target: Qwen3ForCausalLM, mesh
     spec = config.speculative_config
     if spec is None or spec.method != "draft_model":
         return None
-    path: str | Path | None = spec.model
-    if path is None:  # the embedded model has a draft of its own
+    if spec.model is None:  # the embedded model has a draft of its own
         require(resolve_model_path(config.model or DEFAULT_MODEL_DIR).resolve()
                 == DEFAULT_MODEL_DIR.resolve(),
                 "speculative_config.model", None, "the draft model's directory (only the "
                 "embedded model has a default draft)")
-        path = DEFAULT_DRAFT_DIR
     draft = Qwen3ForCausalLM.from_pretrained(
-        resolve_model_path(path or DEFAULT_DRAFT_DIR), model_dtype(config), impl=model_impl(config),
+        resolve_model_path(spec.model or DEFAULT_DRAFT_DIR), model_dtype(config),
+        impl=model_impl(config),
         load_format=config.load_format, seed=config.seed, mesh=mesh)
     vocab = target.config.vocab_size
     require(draft.config.vocab_size == vocab, "speculative_config.model", spec.model,

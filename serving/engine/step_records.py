@@ -35,26 +35,25 @@ def sampling_entries(out: SchedulerOutput, seqs: dict[str, SeqState]) -> list[Sa
         num_output = len(request.output_token_ids) + request.num_pending_tokens
         num_drafts = scheduled.num_drafts
         for j in range(num_drafts):  # draft row j samples output j, after drafts[:j]
-            drafts.append(_entry_at(seq, dataclasses.replace(entry), num_output + j,
-                                    request.draft_token_ids[:j]))
+            drafts.append(_entry_at(seq, dataclasses.replace(entry), num_output, j))
         # the sequence's own row samples the token after its drafts
-        entries.append(_entry_at(seq, entry, num_output + num_drafts,
-                                 request.draft_token_ids[:num_drafts]))
+        entries.append(_entry_at(seq, entry, num_output, num_drafts))
     return entries + drafts
 
 
-def _entry_at(seq: SeqState, entry: SamplingEntry, output_index: int,
-              drafts: list[int]) -> SamplingEntry:
-    """`entry` set for the draw of output `output_index`, after the tokens so far and
-    `drafts` (the draft tokens before it in its step)."""
+def _entry_at(seq: SeqState, entry: SamplingEntry, num_output: int,
+              num_drafts: int) -> SamplingEntry:
+    """`entry` set for the draw after the sequence's `num_output` tokens and the first
+    `num_drafts` of its draft tokens (its output index: their sum)."""
     request = seq.request
-    entry.output_index = output_index
+    entry.output_index = output_index = num_output + num_drafts
     if seq.blocked_ids:  # eos/stop ids, blocked until min_tokens
         entry.blocked_ids = (seq.blocked_ids if output_index
                              < request.sampling_params.min_tokens else ())
     if seq.uses_penalties:  # the token in flight, if any, is filled on the device
         entry.penalty_tokens = (request.all_token_ids
-                                + [PENDING_TOKEN] * request.num_pending_tokens + drafts)
+                                + [PENDING_TOKEN] * request.num_pending_tokens
+                                + request.draft_token_ids[:num_drafts])
     return entry
 
 
