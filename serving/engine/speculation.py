@@ -18,8 +18,9 @@ n-gram draft (a single token, probability 1 in the draft's distribution) this is
 rejection sampling exactly: accepted with probability p(draft), else a token from p
 without the draft, renormalised. Since the draws are a function of (seed, output
 index), a seeded request gives the same tokens with speculation as without. Greedy rows
-take the argmax. Sequences under a grammar get no drafts (their mask at a draft's
-position would need the grammar advanced over the drafts before it).
+take the argmax. Under a grammar, a sequence's drafts stop before the first its grammar
+does not allow, and draft row j's mask is the grammar's state after drafts 0..j
+(serving/structured_output/token_mask.py), so each row samples as the plain engine would.
 
 How many drafts each sequence verifies, and whether a step speculates at all:
 serving/core/draft_length.py (per-sequence acceptance against the measured cost of each
@@ -41,9 +42,9 @@ from serving.engine.draft_proposer import DraftModelProposer
 from serving.engine.output_processor import SeqState
 
 
-def speculates(seq: SeqState) -> bool:
-    """Whether this sequence gets drafts: every one but those under a grammar."""
-    return seq.guide is None
+def grammar_drafts(seq: SeqState, drafts: list[int]) -> list[int]:
+    """The drafts up to the first its grammar does not allow (all without one)."""
+    return drafts if seq.guide is None else drafts[:seq.guide.valid_prefix(drafts)]
 
 
 class Speculator:
@@ -88,15 +89,16 @@ class Speculator:
             seq = seqs.get(request.request_id)
             num_tokens = request.num_tokens
             if (seq is None or request.num_computed_tokens != num_tokens - 1
-                    or request.num_pending_tokens or not speculates(seq)):
+                    or request.num_pending_tokens):
                 continue
             # room for the drafts and the token after them within max_tokens / the model
             room = (request.max_num_tokens or num_tokens + 1) - num_tokens - 1
             k = min(self.config.num_speculative_tokens, room)
             if k > 0:
-                eligible.append((request, k))
+                eligible.append((request, k, seq))
         proposed = []
-        for (request, _), drafts in zip(eligible, self._drafts(eligible)):
+        for (request, _, seq), drafts in zip(eligible, self._drafts(eligible)):
+            drafts = grammar_drafts(seq, drafts)
             if drafts:
                 request.draft_token_ids = drafts
                 proposed.append(request)
@@ -106,13 +108,13 @@ class Speculator:
             for request, count in zip(proposed, counts):
                 del request.draft_token_ids[count:]
 
-    def _drafts(self, eligible: list[tuple[Request, int]]) -> list[list[int]]:
+    def _drafts(self, eligible: list[tuple[Request, int, SeqState]]) -> list[list[int]]:
         if self.draft is not None:
-            return self.draft.propose([r for r, _ in eligible], [k for _, k in eligible])
+            return self.draft.propose([e[0] for e in eligible], [e[1] for e in eligible])
         config = self.config
         return [propose_ngram(request.all_token_ids, k=k, min_n=config.prompt_lookup_min,
                               max_n=config.prompt_lookup_max or config.prompt_lookup_min)
-                for request, k in eligible]
+                for request, k, _ in eligible]
 
     def forget(self, request_id: str) -> None:
         if self.lengths is not None:
@@ -167,4 +169,4 @@ class Speculator:
         return 1 + self.num_accepted_tokens / self.num_drafts if self.num_drafts else 1.0
 
 
-__all__ = ["Speculator", "speculates"]
+__all__ = ["Speculator", "grammar_drafts"]

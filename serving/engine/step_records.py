@@ -58,14 +58,19 @@ def _entry_at(seq: SeqState, entry: SamplingEntry, num_output: int,
 
 
 def constrained_rows(out: SchedulerOutput, seqs: dict[str, SeqState], num_guided: int) -> list:
-    """(row, guide) of the rows that sample this step under a grammar."""
+    """(row, guide, its drafts' rows, its drafts) of the sequences that sample this step
+    under a grammar (MaskBuilder.submit)."""
     rows: list = []
     if not num_guided:
         return rows
+    draft_row = len(out.scheduled)  # draft rows follow the sequences' rows, in order
     for row, scheduled in enumerate(out.scheduled):
-        seq = seqs.get(scheduled.request.request_id)
+        request, num = scheduled.request, scheduled.num_drafts
+        seq = seqs.get(request.request_id)
         if scheduled.samples and seq is not None and seq.guide is not None:
-            rows.append((row, seq.guide))
+            rows.append((row, seq.guide, list(range(draft_row, draft_row + num)),
+                         request.draft_token_ids[:num]))
+        draft_row += num
     return rows
 
 

@@ -119,3 +119,10 @@ class Guide:
         """Advance by the sampled token; False if the grammar rejects it (then the matcher
         stays in its error state)."""
         return self.matcher.is_stopped() or self.matcher.consume_token(token)
+
+    def valid_prefix(self, tokens: list[int]) -> int:
+        """How many of `tokens` (drafts) the grammar allows in a row from here; the
+        matcher does not move."""
+        if not tokens or self.matcher.is_stopped() or self.matcher.is_error():
+            return 0
+        return int(self.matcher.validate_tokens(tokens))

@@ -44,9 +44,12 @@ class MaskBuilder:
         self.vocab_size = vocab_size
         self._pool = concurrent.futures.ThreadPoolExecutor(1, thread_name_prefix="masks")
 
-    def submit(self, rows: list[tuple[int, Guide]], num_padded_seqs: int):
-        """rows: (row index, guide) of the constrained rows that sample this step. Returns a
-        future of the TokenMask, or None when no row is constrained."""
+    def submit(self, rows: list[tuple[int, Guide, list[int], list[int]]],
+               num_padded_seqs: int):
+        """rows: per constrained sequence that samples this step (row index, guide, its
+        drafts' rows, its drafts): its row's mask from the guide's state, draft row j's
+        after drafts 0..j (speculative decoding; the drafts are within the grammar).
+        Returns a future of the TokenMask, or None when no row is constrained."""
         if not rows:
             return None
         return self._pool.submit(self._fill, rows, num_padded_seqs)
@@ -54,7 +57,12 @@ class MaskBuilder:
     def _fill(self, rows, num_padded_seqs: int) -> TokenMask:
         import llguidance.numpy as llg_numpy
         mask = inactive_mask(num_padded_seqs, self.vocab_size)
-        for row, guide in rows:
+        for row, guide, draft_rows, drafts in rows:
             llg_numpy.fill_next_token_bitmask(guide.matcher, mask.bits, row)
+            for draft_row, draft in zip(draft_rows, drafts):  # draft j's row follows it
+                guide.matcher.consume_token(draft)
+                llg_numpy.fill_next_token_bitmask(guide.matcher, mask.bits, draft_row)
+            if drafts:  # the guide back where it was; the kept tokens advance it later
+                guide.matcher.rollback(len(drafts))
         mask.active = np.array(True)
         return mask

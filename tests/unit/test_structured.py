@@ -108,7 +108,7 @@ def test_prompt_that_closed_thinking_constrains_from_the_first_token(compiler, t
 
 def test_mask_rows_allow_what_the_grammar_allows(compiler, tok):
     guide = compiler.guide(StructuredOutputsParams(choice=["yes", "no"]), [])
-    mask = MaskBuilder(VOCAB).submit([(1, guide)], 4).result()
+    mask = MaskBuilder(VOCAB).submit([(1, guide, [], [])], 4).result()
     assert mask.active and mask.bits.shape == (4, VOCAB // 32)
     first = allowed(mask.bits[1])
     assert tok.encode("yes")[0] in first and tok.encode("no")[0] in first
@@ -117,10 +117,30 @@ def test_mask_rows_allow_what_the_grammar_allows(compiler, tok):
     assert MaskBuilder(VOCAB).submit([], 4) is None  # no constrained row: no mask at all
 
 
+def test_draft_rows_are_masked_by_the_grammar_after_their_drafts(compiler, tok):
+    # speculative decoding: the sequence's row reads the guide's state; draft row j the
+    # state after drafts 0..j; the guide is back where it was afterwards
+    params = StructuredOutputsParams(choice=["alpha beta gamma", "alpha delta"])
+    drafts = tok.encode("alpha beta", add_special_tokens=False)
+    guide = compiler.guide(params, [])
+    assert guide.valid_prefix(drafts + tok.encode(" zeta", add_special_tokens=False)) == len(
+        drafts)  # the first draft the grammar forbids ends them
+    draft_rows = [2 + j for j in range(len(drafts))]
+    mask = MaskBuilder(VOCAB).submit([(1, guide, draft_rows, drafts)], 8).result()
+    for j, row in enumerate([1, *draft_rows]):
+        alone = compiler.guide(params, [])
+        assert all(alone.accept(t) for t in drafts[:j])
+        want = MaskBuilder(VOCAB).submit([(0, alone, [], [])], 1).result()
+        assert allowed(mask.bits[row]) == allowed(want.bits[0]), row
+    assert allowed(mask.bits[1]) != allowed(mask.bits[draft_rows[-1]])
+    again = MaskBuilder(VOCAB).submit([(0, guide, [], [])], 1).result()
+    assert allowed(again.bits[0]) == allowed(mask.bits[1])  # rolled back
+
+
 def test_finished_grammar_allows_only_eos(compiler, tok):
     guide = compiler.guide(StructuredOutputsParams(choice=["yes"]), [])
     assert all(guide.accept(t) for t in tok.encode("yes"))
-    mask = MaskBuilder(VOCAB).submit([(0, guide)], 1).result()
+    mask = MaskBuilder(VOCAB).submit([(0, guide, [], [])], 1).result()
     assert allowed(mask.bits[0]) <= set(tok.eos_token_ids) and allowed(mask.bits[0])
 
 
