@@ -83,7 +83,7 @@ class Speculator:
     def propose(self, running: list[Request], seqs: dict[str, SeqState]) -> None:
         """Sets each running decoding sequence's draft tokens (none for the others)."""
         self._began = time.perf_counter()  # the step's start: see verify
-        eligible: list[tuple[Request, int]] = []
+        eligible: list[tuple[Request, int, SeqState]] = []
         for request in running:
             request.draft_token_ids = []
             seq = seqs.get(request.request_id)
