@@ -26,9 +26,11 @@ so, and the next stage runs):
              with Qwen3's recommended sampling (--sampled-loops): output tok/s, execute
              ms, host ms and how long a dispatch holds the engine's thread per step
   speculative  (only when asked) the verify-cost curve: Qwen3-30B-A3B with a Qwen3-0.6B
-             draft model, dummy weights, greedy decode at 1 and 8 sequences verifying k
-             = 1..5 drafts every step (against k = 0, no speculation): step execute ms,
-             output tok/s, the experts a MoE layer is expected to read per step
+             draft model, then with an EAGLE-3 head of the published Qwen3-30B-A3B
+             heads' shapes (random, written to a temporary directory), dummy weights,
+             greedy decode at 1 and 8 sequences verifying k = 1..5 drafts every step
+             (against k = 0, no speculation): step execute ms, output tok/s, the experts
+             a MoE layer is expected to read per step
 
 --quantization fp8 (or int8, awq): the engine and offline stages with quantised weights,
 to set beside a run without it (`--stages engine,offline --quantization fp8`); the matmul
@@ -56,7 +58,7 @@ DEFAULT_STAGES = STAGES[:-1]  # speculative: when asked (--stages speculative)
 # Seconds per stage on an H200, at most (the default stages under 9 minutes in all; a run
 # takes less).
 TIMEOUTS = {"env": 60, "check": 60, "attention": 45, "matmul": 60, "engine": 150,
-            "offline": 150, "speculative": 240}
+            "offline": 150, "speculative": 420}
 REPO = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 
 
@@ -256,10 +258,41 @@ def stage_offline(emit, args, engine):
     engine.scheduler_config, engine.runner.dispatch_thread = config, thread
 
 
+def _eagle3_head_dir(args) -> str | None:
+    """A random EAGLE-3 head for Qwen3-30B-A3B (hidden 2048, 32 heads, 4 KV heads, a
+    32,000-token draft vocabulary), written once; None (the shipped head) for --small."""
+    if args.small:
+        return None
+    import tempfile
+
+    import jax.numpy as jnp
+    import numpy as np
+    from flax import nnx
+
+    from qwen_jax.eagle3 import Eagle3Config, Eagle3Head, save_eagle3
+    cfg = Eagle3Config(hidden_size=2048, target_hidden_size=2048, intermediate_size=6144,
+                       num_attention_heads=32, num_key_value_heads=4, head_dim=128,
+                       vocab_size=151936, draft_vocab_size=32000, aux_layer_ids=(2, 24, 45),
+                       rope_theta=1_000_000.0, max_position_embeddings=40960)
+    head = Eagle3Head(cfg, dtype=jnp.bfloat16, rngs=nnx.Rngs(0))
+    head.d2t.set_value(jnp.asarray(np.arange(32000) * 4 - np.arange(32000), jnp.int32))
+    path = tempfile.mkdtemp(prefix="eagle3-30b-")
+    save_eagle3(head, path)
+    return path
+
+
 def stage_speculative(emit, args, arm):
-    """Step time against drafts verified per step: one engine with a draft model and k =
-    5 drafts at most, trimmed to each k (adaptive off: every step verifies k drafts; the
-    dummy draft's are rejected, so each step emits one token), k = 0 without it."""
+    """Step time against drafts verified per step, for a draft model and an EAGLE-3
+    head: one engine each with k = 5 drafts at most, trimmed to each k (adaptive off:
+    every step verifies k drafts; the dummy drafts are rejected, so each step emits one
+    token), k = 0 without speculation."""
+    drafts = {"draft_model": None if args.small else "qwen3-0.6b",  # small: the shipped
+              "eagle3": _eagle3_head_dir(args)}                    # draft and head
+    for method, model in drafts.items():
+        _speculative_curve(emit, args, method, model)
+
+
+def _speculative_curve(emit, args, method: str, model: str | None) -> None:
     import dataclasses
 
     import numpy as np
@@ -272,11 +305,10 @@ def stage_speculative(emit, args, arm):
     kwargs = engine_kwargs(args)
     kwargs.update(max_num_seqs=8, seq_buckets=[8, 16, 64],
                   token_buckets=[8, 16, 32, 64] + ([] if args.small else [2048]))
-    draft = None if args.small else "qwen3-0.6b"  # small: the embedded model's own draft
     engine = LLMEngine(engine_config_from_kwargs(
         kwargs.pop("model"), show_progress=False, compilation_cache_dir=None,
         precompile=False, enable_prefix_caching=False, speculative_config={
-            "method": "draft_model", "num_speculative_tokens": 5, "model": draft,
+            "method": method, "num_speculative_tokens": 5, "model": model,
             "adaptive_draft_length": False}, **kwargs))
     speculator, config = engine.speculator, engine.speculator.config
     in_len, out_len = (40, 8) if args.small else (1024, 64)
@@ -293,7 +325,7 @@ def stage_speculative(emit, args, arm):
                 before = speculator.num_drafts, speculator.num_accepted_tokens
                 row = _offline_run(engine, prompts, params, f"spec{batch}-{k}-{run}", 64)
             drafts = speculator.num_drafts - before[0]
-            emit("speculative", batch=batch, k=k, output_tok_s=round(
+            emit("speculative", method=method, batch=batch, k=k, output_tok_s=round(
                 batch * out_len / row["wall_s"], 1), steps=row["steps"],
                 step_execute_ms_p50=row["decode_execute_ms_p50"],
                 acceptance_length=(1 + (speculator.num_accepted_tokens - before[1]) / drafts

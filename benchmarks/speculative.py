@@ -3,8 +3,9 @@ object.
 
 For each workload and batch size, the same requests through an engine without
 speculation (overlapped loop, the default, and serial: speculation steps serially) and
-with n-gram drafts (`--k` draft tokens at most, prompt lookup 1..3) or the embedded
-model's shipped draft model (`draft`, two dense layers of half the width), the draft
+with n-gram drafts (`--k` draft tokens at most, prompt lookup 1..3), the embedded
+model's shipped draft model (`draft`, two dense layers of half the width) or its shipped
+EAGLE-3 head (`eagle3`, one layer fed the target's hidden states), the draft
 length chosen per sequence and step (the default) or always all proposed (`*_fixed`):
 output tokens/s (median of `--rounds` alternating rounds, after a warm-up round; every
 bucket compiled at start-up, as when serving), the ratios, the mean acceptance length
@@ -17,6 +18,7 @@ goes on repeating its own text, so decoding dominates) and `sampled` (`continue`
 temperature 0.8, seeded). Batch 1 runs the requests one at a time; batch 8 eight at once.
 
     PYTHONPATH=. python benchmarks/speculative.py [--k 3] [--rounds 3] [--out FILE]
+        [--methods ngram draft eagle3]
 """
 
 from __future__ import annotations
@@ -34,6 +36,7 @@ from qwen_jax import LLM, SamplingParams, tasks  # noqa: E402
 from serving.bench.eval_tasks import TINY_MODEL, chat_template, render_prompts  # noqa: E402
 from serving.metrics.step_cost import expected_experts_touched  # noqa: E402
 
+METHODS = {"ngram": "ngram", "draft": "draft_model", "eagle3": "eagle3"}  # engine: method
 WORKLOADS = {  # name: (tasks, sampling parameters)
     "tasks": (tasks.TASKS, dict(temperature=0, max_tokens=64)),
     "repeat": (("copy",), dict(temperature=0, max_tokens=64)),
@@ -106,26 +109,24 @@ def main() -> None:
     parser.add_argument("--rounds", type=int, default=3)
     parser.add_argument("--batches", type=int, nargs="+", default=[1, 8])
     parser.add_argument("--workloads", nargs="+", default=list(WORKLOADS), choices=WORKLOADS)
-    parser.add_argument("--no-draft", action="store_true", help="n-gram only")
+    parser.add_argument("--methods", nargs="+", default=list(METHODS), choices=METHODS)
     parser.add_argument("--out", default=None)
     args = parser.parse_args()
     spec = {"method": "ngram", "num_speculative_tokens": args.k, "prompt_lookup_min": 1,
             "prompt_lookup_max": 3}
-    # every bucket compiled at start-up; few of them: six engines share this process (an
+    # every bucket compiled at start-up; few of them: eight engines share this process (an
     # executable maps ~700 regions on CPU, a process may map 65,530). A step's rows (a
     # sequence's, one per draft) fit max_num_seqs: 32 for 8 sequences and 3 drafts each.
     common = dict(model=str(TINY_MODEL), show_progress=False, enable_prefix_caching=False,
                   max_num_seqs=32, max_num_batched_tokens=512, token_buckets=[16, 64, 512],
                   seq_buckets=[8, 32])
-    engines = {"none": LLM(**common), "none_serial": LLM(**common, async_scheduling=False),
-               "ngram": LLM(**common, speculative_config=spec),
-               "ngram_fixed": LLM(**common, speculative_config={
-                   **spec, "adaptive_draft_length": False})}
-    if not args.no_draft:  # the embedded model's shipped draft (qwen_jax/assets)
-        draft = {"method": "draft_model", "num_speculative_tokens": args.k}
-        engines["draft"] = LLM(**common, speculative_config=draft)
-        engines["draft_fixed"] = LLM(**common, speculative_config={
-            **draft, "adaptive_draft_length": False})
+    engines = {"none": LLM(**common), "none_serial": LLM(**common, async_scheduling=False)}
+    for name in args.methods:  # the draft model and the head: the embedded model's own
+        config = spec if name == "ngram" else {"method": METHODS[name],
+                                               "num_speculative_tokens": args.k}
+        engines[name] = LLM(**common, speculative_config=config)
+        engines[f"{name}_fixed"] = LLM(**common, speculative_config={
+            **config, "adaptive_draft_length": False})
     rows = [compare(w, b, engines, args.rounds) for w in args.workloads for b in args.batches]
     report = {"k": args.k, "rounds": args.rounds, "results": rows}
     print(json.dumps(report, indent=2))

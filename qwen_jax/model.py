@@ -77,23 +77,29 @@ def layer_vectors(state):
     return at
 
 
-def run_segment(stack: DecoderLayer, x, kv_cache, ctx: StepContext, rt):
+def run_segment(stack: DecoderLayer, x, kv_cache, ctx: StepContext, rt, capture=None):
     """Scan the stacked layers of one segment over a layer index; the weights stay whole
-    (read in place by the ops) and the cache rides in the carry (updated in place)."""
+    (read in place by the ops) and the cache rides in the carry (updated in place).
+    capture: (slots int32[X], buffer [n + 1, T, D]): the hidden state entering local layer
+    x is written to buffer[slots[x]] (slot n: not kept); returns the buffer as a third."""
     graphdef, state = nnx.split(stack)
     num_layers = jax.tree.leaves(state)[0].shape[0]
     pages_per_layer = kv_cache[0].shape[0] // num_layers
     layer_state = layer_vectors(state)
+    slots = None if capture is None else capture[0]
 
     def body(carry, _):
-        h, kv, layer = carry  # the index rides in the carry: no per-layer slice of an iota
+        h, kv, layer, kept = carry  # the index rides in the carry: no per-layer iota slice
+        if slots is not None:
+            kept = jax.lax.dynamic_update_index_in_dim(kept, h, slots[layer], 0)
         module = nnx.merge(graphdef, layer_state(layer))
         h, kv = module(h, kv, ctx, layer, layer * pages_per_layer, rt)
-        return (h, kv, layer + 1), None
+        return (h, kv, layer + 1, kept), None
 
-    init = (x, kv_cache, jnp.zeros((), jnp.int32))
-    (x, kv_cache, _), _ = jax.lax.scan(body, init, length=num_layers)
-    return x, kv_cache
+    kept = None if capture is None else capture[1]
+    init = (x, kv_cache, jnp.zeros((), jnp.int32), kept)
+    (x, kv_cache, _, kept), _ = jax.lax.scan(body, init, length=num_layers)
+    return (x, kv_cache) if capture is None else (x, kv_cache, kept)
 
 
 class Qwen3ForCausalLM(nnx.Module):
@@ -116,6 +122,9 @@ class Qwen3ForCausalLM(nnx.Module):
         inv_freq, scale = cfg.rope_inv_freq_and_scale
         self.rope_scale = float(scale)
         self.rope_inv_freq = nnx.Variable(jnp.asarray(inv_freq))  # buffer, not a Param
+        # Layers whose input hidden states the step keeps for an EAGLE-3 head (set by the
+        # engine before its caches are built), in the KV caches' last entry, by slot.
+        self.aux_layers: tuple[int, ...] = ()
 
     @property
     def dtype(self):
@@ -133,11 +142,50 @@ class Qwen3ForCausalLM(nnx.Module):
                            dtype=self.dtype, num_q_heads=cfg.num_attention_heads,
                            num_kv_heads=self.num_cache_kv_heads, head_dim=cfg.head_dim,
                            rt=self.runtime)
+        if self.aux_layers:
+            x, new_caches, aux = self._forward_capturing(x, kv_caches, ctx)
+            flat = kv_caches[-1][0].reshape(-1, aux.shape[-1])  # [P * L, A]
+            aux_cache = flat.at[meta.slot_mapping].set(aux.astype(flat.dtype))
+            return self.norm(x), [*new_caches, (aux_cache.reshape(kv_caches[-1][0].shape),)]
         new_caches = []
         for stack, kv in zip(self.segments, kv_caches):
             x, kv = run_segment(stack, x, kv, ctx, self.runtime)
             new_caches.append(kv)
         return self.norm(x), new_caches
+
+    def _forward_capturing(self, x, kv_caches: KVCache, ctx: StepContext):
+        """The layers, keeping the hidden states entering `aux_layers` (EAGLE-3's input):
+        -> (last hidden [T, D], the segments' caches, aux [T, len(aux_layers) * D])."""
+        unique = sorted(set(self.aux_layers))
+        kept = jnp.zeros((len(unique) + 1, *x.shape), x.dtype)
+        new_caches = []
+        for stack, kv, (_, first, count) in zip(self.segments, kv_caches, self.config.segments):
+            slots = np.full(count, len(unique), np.int32)
+            for i, layer in enumerate(unique):
+                if first <= layer < first + count:
+                    slots[layer - first] = i
+            x, kv, kept = run_segment(stack, x, kv, ctx, self.runtime,
+                                      (jnp.asarray(slots), kept))
+            new_caches.append(kv)
+        aux = jnp.concatenate([kept[unique.index(layer)] for layer in self.aux_layers], -1)
+        return x, new_caches, aux
+
+    def hidden_and_aux(self, input_ids: Int[Array | np.ndarray, "B T"], page_size: int = 16):
+        """Full sequences (no padding) -> (logits [B, T, V], aux [B, T, 3D]): what an
+        EAGLE-3 head is trained on (scripts/train_eagle3.py)."""
+        batch, seq_len = input_ids.shape
+        meta, num_pages = contiguous_metadata(batch, seq_len, page_size)
+        positions = jnp.tile(jnp.arange(seq_len, dtype=jnp.int32), batch)
+        cfg = self.config
+        x = self.embed_tokens[...][input_ids.reshape(-1)]
+        ctx = step_context(meta, positions, (self.rope_inv_freq[...], self.rope_scale),
+                           dtype=self.dtype, num_q_heads=cfg.num_attention_heads,
+                           num_kv_heads=self.num_cache_kv_heads, head_dim=cfg.head_dim,
+                           rt=self.runtime)
+        caches = self.init_kv_caches(num_pages, page_size)
+        x, _, aux = self._forward_capturing(x, caches, ctx)
+        logits = self.compute_logits(self.norm(x))
+        return logits.reshape(batch, seq_len, -1), aux.reshape(batch, seq_len, -1)
 
     def compute_logits(self, hidden: Float[Array, "*B D"]) -> Float[Array, "*B V"]:
         """hidden: [..., D] -> float32 logits [..., V]."""
@@ -171,7 +219,12 @@ class Qwen3ForCausalLM(nnx.Module):
         device = None if self.mesh is None else sharding.kv_cache_sharding(self.mesh)
         shape = lambda count: (count * num_pages, page_size, self.num_cache_kv_heads, cfg.head_dim)
         zeros = lambda count: sharding.zeros(shape(count), dtype, device)
-        return [(zeros(c), zeros(c)) for _, _, c in cfg.segments]
+        caches: list[tuple] = [(zeros(c), zeros(c)) for _, _, c in cfg.segments]
+        if self.aux_layers:  # last: the hidden states EAGLE-3 reads, by slot
+            width = len(self.aux_layers) * cfg.hidden_size
+            target = None if self.mesh is None else sharding.replicated(self.mesh)
+            caches.append((sharding.zeros((num_pages, page_size, width), self.dtype, target),))
+        return caches
 
     # ---- full-sequence path ------------------------------------------------------------
     def __call__(self, input_ids: Int[Array | np.ndarray, "B T"], page_size: int = 16

@@ -43,6 +43,7 @@ ASSETS_DIR = Path(__file__).resolve().parent / "assets"
 DEFAULT_MODEL_DIR = ASSETS_DIR / "tiny-qwen3-moe"  # what LLM() and `qwen-jax serve` load
 # its draft model (speculative decoding's draft_model when no model is named)
 DEFAULT_DRAFT_DIR = ASSETS_DIR / "tiny-qwen3-draft"
+DEFAULT_EAGLE3_DIR = ASSETS_DIR / "tiny-qwen3-eagle3"  # and its EAGLE-3 head (method eagle3)
 
 
 def list_models() -> list[str]:

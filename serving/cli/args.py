@@ -32,8 +32,9 @@ def add_engine_args(parser: argparse.ArgumentParser) -> None:
     g.add_argument("--speculative-config", default=None, metavar="JSON",
                    help='vLLM\'s speculative decoding config, e.g. \'{"method": "ngram", '
                         '"num_speculative_tokens": 4, "prompt_lookup_max": 4}\' or '
-                        '\'{"method": "draft_model", "model": DIR, "num_speculative_tokens": '
-                        '3}\' (no model: the embedded model\'s draft; default: off)')
+                        '\'{"method": "draft_model" | "eagle3", "model": DIR, '
+                        '"num_speculative_tokens": 3}\' (no model: the embedded model\'s '
+                        'draft or EAGLE-3 head; default: off)')
     g.add_argument("--quantization", "-q", default=None, choices=QUANTIZATION_METHODS,
                    help="weights: fp8 / awq checkpoints load quantised without it; fp8 | int8 "
                         "quantise a float checkpoint at load (presets: any)")

@@ -140,7 +140,8 @@ class Scheduler:
             self._schedule_waiting(step, now)
         self._schedule_deferred(step)
         if step.num_drafts:
-            cut = fit_draft_rows(list(step.scheduled.values()), self.config.max_num_seqs)
+            cut = fit_draft_rows(list(step.scheduled.values()),
+                                 max(self.config.seq_bucket_sizes))
             step.budget, step.num_drafts = step.budget + cut, step.num_drafts - cut
         step.budget += self.prefill_cap.trim(list(step.scheduled.values()))
         return SchedulerOutput(scheduled=list(step.scheduled.values()),

@@ -102,7 +102,8 @@ def propose_ngram(token_ids: Sequence[int], *, k: int, min_n: int, max_n: int) -
 
 def fit_draft_rows(scheduled: Sequence, max_rows: int) -> int:
     """Drops draft tokens (from the last scheduled sequence back) until the step's rows,
-    a sequence's and one per draft, fit `max_rows` (the largest sequence bucket). Returns
+    a sequence's and one per draft, fit `max_rows` (the largest sequence bucket: with
+    speculation, by default max_num_seqs * (1 + k), serving/engine/config.py). Returns
     the tokens dropped. `scheduled`: the step's ScheduledSeqs, changed in place."""
     excess = len(scheduled) + sum(seq.num_drafts for seq in scheduled) - max_rows
     dropped = 0

@@ -10,12 +10,12 @@ import pallas_kernels
 from qwen_jax.options import LOAD_FORMATS, PARAM_DTYPES, QUANTIZATION_METHODS
 from qwen_jax.sharding import ParallelConfig
 from qwen_jax.validation import require
+from serving.core.buckets import MIN_SEQ_BUCKET, make_buckets
 from serving.core.config import CacheConfig, SchedulerConfig
 from serving.core.speculative import SpeculativeConfig
 
 DTYPES = ("auto", *PARAM_DTYPES)  # auto: float32 on CPU, bfloat16 on GPU
 IMPLS = ("auto", *pallas_kernels.IMPLS)  # auto: pallas on GPU, reference elsewhere
-ENGINE_METHODS = ("ngram", "draft_model")  # the speculative methods the engine runs
 
 
 @dataclasses.dataclass(frozen=True, kw_only=True)
@@ -44,15 +44,20 @@ class EngineConfig:
     # neutral ones, a directory names another generation_config.json (vLLM's option)
     generation_config: str = "auto"
     # vLLM's speculative_config (a dict, its JSON text or a SpeculativeConfig; None: off).
-    # The engine runs method "ngram" (serving/engine/speculation.py).
+    # Methods ngram, draft_model and eagle3 (serving/engine/speculation.py).
     speculative_config: SpeculativeConfig | None = None
 
     def __post_init__(self) -> None:
         spec = SpeculativeConfig.parse(self.speculative_config)
         object.__setattr__(self, "speculative_config", spec)
-        require(spec is None or spec.method in ENGINE_METHODS, "speculative_config.method",
-                None if spec is None else spec.method,
-                f"one of {', '.join(ENGINE_METHODS)} (what this engine runs today)")
+        sched = self.scheduler
+        if spec is not None and sched.seq_buckets is None:
+            # a step's rows: a sequence's and one per draft, so max_num_seqs sequences
+            # verify k drafts each (the rows never exceed the step's tokens)
+            rows = min(sched.max_num_seqs * (1 + spec.num_speculative_tokens),
+                       sched.max_num_batched_tokens)
+            object.__setattr__(self, "scheduler", dataclasses.replace(
+                sched, seq_buckets=tuple(make_buckets(rows, minimum=MIN_SEQ_BUCKET))))
         require(self.dtype in DTYPES, "dtype", self.dtype, f"one of {DTYPES}")
         require(self.impl in IMPLS, "impl", self.impl, f"one of {IMPLS}")
         require(self.load_format in LOAD_FORMATS, "load_format", self.load_format,

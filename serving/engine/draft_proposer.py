@@ -8,11 +8,17 @@ far as the catch-up reached and the sequence's pages go (a token whose page the 
 has not allocated yet is computed again next time). The catch-up takes at most the
 largest token bucket's tokens a step; a sequence whose catch-up does not end at its last
 token this step (a long prompt) gets no drafts until it does.
+
+An EAGLE-3 head (`lag` 1, serving/executor/eagle_runner.py) is fed at position i the
+target's hidden states there and token i + 1: its catch-up ends at the sequence's
+last token but one, and each row's input id is the token after its position.
 """
 
 from __future__ import annotations
 
 from collections.abc import Sequence
+
+import numpy as np
 
 from serving.core.request import Request
 from serving.core.scheduler_output import ScheduledSeq, SchedulerOutput
@@ -22,8 +28,10 @@ from serving.executor.model_inputs import PageTable, build_model_inputs
 
 class DraftModelProposer:
     def __init__(self, runner: DraftRunner, page_table: PageTable, *, page_size: int,
-                 pages_per_seq: int, token_buckets: Sequence[int], seq_buckets: Sequence[int]):
+                 pages_per_seq: int, token_buckets: Sequence[int], seq_buckets: Sequence[int],
+                 lag: int = 0):
         self.runner = runner
+        self.lag = lag  # positions the catch-up stops short of the last token
         self.page_table = page_table
         self.page_size = page_size
         self.pages_per_seq = pages_per_seq
@@ -42,14 +50,14 @@ class DraftModelProposer:
                                                    (0, request.num_preemptions))
             if preemptions != request.num_preemptions:
                 done = 0
-            num_tokens = request.num_tokens
-            start = min(done, num_tokens - 1)  # the last token's row gives the first draft
-            num = min(num_tokens - start, budget)
+            end = request.num_tokens - self.lag  # the catch-up's last row, + 1, gives
+            start = min(done, end - 1)           # the first draft
+            num = min(end - start, budget)
             if num <= 0:
                 rows.append(None)
                 continue
             budget -= num
-            rows.append(len(scheduled) if start + num == num_tokens else None)
+            rows.append(len(scheduled) if start + num == end else None)
             scheduled.append(ScheduledSeq(request, num, start, True))
             allocated = len(request.page_ids) * self.page_size
             self._computed[request.request_id] = (min(start + num, allocated),
@@ -59,6 +67,11 @@ class DraftModelProposer:
         inputs = build_model_inputs(SchedulerOutput(scheduled, []), self.token_buckets,
                                     self.seq_buckets, self.page_size, self.pages_per_seq,
                                     None, self.page_table)
+        if self.lag:
+            inputs.token_ids[:inputs.num_tokens] = np.fromiter(
+                (t for seq in scheduled for t in seq.request.tokens(
+                    seq.start + self.lag, seq.start + self.lag + seq.num_new_tokens)),
+                np.int32, inputs.num_tokens)
         drafts = self.runner.propose(inputs).tolist()
         return [[] if row is None else drafts[row][:k] for row, k in zip(rows, ks)]
 

@@ -8,13 +8,19 @@ from pathlib import Path
 import jax
 
 from qwen_jax.config import ModelConfig
+from qwen_jax.eagle3 import Eagle3Head, load_eagle3
 from qwen_jax.model import Qwen3ForCausalLM
 from qwen_jax.params import resolve_kv_cache_dtype
 from qwen_jax.planner import kv_bytes_per_page
 from qwen_jax.sharding import make_mesh, tp_size
 from qwen_jax.tokenizer import Tokenizer
 from qwen_jax.validation import require
-from qwen_jax.weights import DEFAULT_DRAFT_DIR, DEFAULT_MODEL_DIR, resolve_model_path
+from qwen_jax.weights import (
+    DEFAULT_DRAFT_DIR,
+    DEFAULT_EAGLE3_DIR,
+    DEFAULT_MODEL_DIR,
+    resolve_model_path,
+)
 from serving.core.buckets import bucket_pairs
 from serving.core.config import SchedulerConfig
 from serving.core.kv_cache_manager import KVCacheManager
@@ -24,6 +30,7 @@ from serving.engine.config import EngineConfig
 from serving.engine.draft_proposer import DraftModelProposer
 from serving.executor import distributed, kv_cache
 from serving.executor.draft_runner import DraftRunner
+from serving.executor.eagle_runner import EagleRunner
 from serving.executor.model_inputs import PageTable
 from serving.executor.model_runner import ModelRunner
 from serving.executor.swap_store import SwapStore
@@ -78,27 +85,77 @@ class CacheSetup:
     draft: DraftModelProposer | None = None  # speculative method draft_model
 
 
-def load_draft_model(config: EngineConfig, target: Qwen3ForCausalLM, mesh
-                     ) -> Qwen3ForCausalLM | None:
-    """The draft model of `speculative_config` method draft_model (else None): in the
-    target's dtype, kernels and mesh; its vocabulary must be the target's."""
+def _draft_dir(config: EngineConfig, default: Path) -> Path:
+    """speculative_config.model, or (for the embedded model only) its shipped `default`."""
     spec = config.speculative_config
-    if spec is None or spec.method != "draft_model":
-        return None
-    if spec.model is None:  # the embedded model has a draft of its own
+    assert spec is not None
+    if spec.model is None:
         require(resolve_model_path(config.model or DEFAULT_MODEL_DIR).resolve()
                 == DEFAULT_MODEL_DIR.resolve(),
-                "speculative_config.model", None, "the draft model's directory (only the "
-                "embedded model has a default draft)")
+                "speculative_config.model", None,
+                f"{'the EAGLE-3 head' if spec.method == 'eagle3' else 'the draft model'}'s "
+                "directory (only the embedded model has a default draft)")
+    return resolve_model_path(spec.model or default)
+
+
+def load_draft_model(config: EngineConfig, target: Qwen3ForCausalLM, mesh
+                     ) -> Qwen3ForCausalLM | Eagle3Head | None:
+    """The draft of `speculative_config` (None for ngram or none): method draft_model's
+    model in the target's dtype, kernels and mesh (its vocabulary must be the target's),
+    or method eagle3's head (the target then keeps the hidden states the head reads)."""
+    spec = config.speculative_config
+    if spec is None or spec.method == "ngram":
+        return None
+    require(not distributed.is_multiprocess(), "speculative_config.method", spec.method,
+            "ngram with several processes (the followers run the target's steps only)")
+    if spec.method == "eagle3":
+        head = load_eagle3(_draft_dir(config, DEFAULT_EAGLE3_DIR), target.config, target.dtype,
+                           mesh=mesh)
+        target.aux_layers = head.config.aux_layer_ids
+        return head
     draft = Qwen3ForCausalLM.from_pretrained(
-        resolve_model_path(spec.model or DEFAULT_DRAFT_DIR), model_dtype(config),
-        impl=model_impl(config),
+        _draft_dir(config, DEFAULT_DRAFT_DIR), model_dtype(config), impl=model_impl(config),
         load_format=config.load_format, seed=config.seed, mesh=mesh)
     vocab = target.config.vocab_size
     require(draft.config.vocab_size == vocab, "speculative_config.model", spec.model,
             f"a model with the target's vocabulary of {vocab} tokens (it has "
             f"{draft.config.vocab_size})")
     return draft
+
+
+def draft_bytes_per_page(draft, target: Qwen3ForCausalLM, page_size: int, dtype, mesh) -> int:
+    """What a page costs the draft besides the target's K/V: the draft model's K/V, or
+    an EAGLE-3 head's one layer of K/V plus the target's kept hidden states."""
+    if draft is None:
+        return 0
+    if isinstance(draft, Qwen3ForCausalLM):
+        return kv_bytes_per_page(draft.config, page_size, dtype, tp_size(mesh))
+    kv = 2 * page_size * draft.num_cache_kv_heads * draft.config.head_dim
+    aux = page_size * len(target.aux_layers) * target.config.hidden_size
+    return (kv * jax.numpy.dtype(dtype).itemsize // tp_size(mesh)
+            + aux * jax.numpy.dtype(target.dtype).itemsize)
+
+
+def draft_proposer(draft, target: Qwen3ForCausalLM, runner: ModelRunner, page_table, spec,
+                   sched: SchedulerConfig, *, num_pages: int, page_size: int,
+                   pages_per_seq: int, dtype):
+    """The proposer of a draft model or an EAGLE-3 head (None without one)."""
+    if draft is None or spec is None:
+        return None
+    common = dict(num_drafts=spec.num_speculative_tokens, page_size=page_size,
+                  pages_per_seq=pages_per_seq)
+    if isinstance(draft, Eagle3Head):
+        embed = target.embed_tokens[...]
+        draft_runner: DraftRunner = EagleRunner(
+            draft, draft.init_kv_cache(num_pages, page_size, dtype), embed_tokens=embed,
+            aux_cache=lambda: runner.kv_caches[-1][0], runtime=target.runtime, **common)
+    else:
+        draft_runner = DraftRunner(draft, kv_cache.allocate(draft, num_pages, page_size, dtype),
+                                   **common)
+    return DraftModelProposer(
+        draft_runner, page_table, page_size=page_size, pages_per_seq=pages_per_seq,
+        token_buckets=sched.token_bucket_sizes, seq_buckets=sched.seq_bucket_sizes,
+        lag=int(isinstance(draft, Eagle3Head)))
 
 
 def build_cache(config: EngineConfig, model: Qwen3ForCausalLM, mesh) -> CacheSetup:
@@ -120,8 +177,7 @@ def build_cache(config: EngineConfig, model: Qwen3ForCausalLM, mesh) -> CacheSet
     dtype = resolve_kv_cache_dtype(cache.kv_cache_dtype, model.dtype)
     max_pages = 1 + sched.max_num_seqs * pages_per_seq
     bytes_per_page = kv_bytes_per_page(model_config, page_size, dtype, tp_size(mesh))
-    draft_bytes = (0 if draft is None else
-                   kv_bytes_per_page(draft.config, page_size, dtype, tp_size(mesh)))
+    draft_bytes = draft_bytes_per_page(draft, model, page_size, dtype, mesh)
     num_pages = kv_cache.num_pages_to_allocate(cache, bytes_per_page + draft_bytes, max_pages)
     caches = kv_cache.allocate(model, num_pages, page_size, dtype)
     kv_manager = KVCacheManager(num_pages, page_size, cache.enable_prefix_caching)
@@ -138,14 +194,9 @@ def build_cache(config: EngineConfig, model: Qwen3ForCausalLM, mesh) -> CacheSet
     runner = ModelRunner(model, caches, max_model_len=max_model_len,
                          pages_per_seq=pages_per_seq, mesh=mesh,
                          max_num_seqs=max(sched.seq_bucket_sizes))
-    proposer, spec = None, config.speculative_config
-    if draft is not None and spec is not None:
-        proposer = DraftModelProposer(
-            DraftRunner(draft, kv_cache.allocate(draft, num_pages, page_size, dtype),
-                        num_drafts=spec.num_speculative_tokens,
-                        page_size=page_size, pages_per_seq=pages_per_seq),
-            page_table, page_size=page_size, pages_per_seq=pages_per_seq,
-            token_buckets=sched.token_bucket_sizes, seq_buckets=sched.seq_bucket_sizes)
+    proposer = draft_proposer(draft, model, runner, page_table, config.speculative_config,
+                              sched, num_pages=num_pages, page_size=page_size,
+                              pages_per_seq=pages_per_seq, dtype=dtype)
     return CacheSetup(sched, page_size, pages_per_seq, dtype, bytes_per_page, num_pages,
                       kv_manager, page_table, swap_store, scheduler, runner,
                       bucket_pairs(sched.token_bucket_sizes, sched.seq_bucket_sizes), proposer)

@@ -26,6 +26,23 @@ from serving.executor.model_inputs import ModelInputs
 from serving.executor.model_runner import attention_metadata, padding_inputs
 
 
+def chained_metadata(inputs: ModelInputs, offset: int, page_size: int):
+    """The single-token pass `offset` positions past each sequence's last catch-up
+    position (kv_lens - 1): (positions int32[S], its AttentionMetadata), padding rows on
+    the scratch page; slots from the page table on the device."""
+    num_padded = inputs.logits_index.shape[0]
+    rows = jnp.arange(num_padded)
+    real = rows < inputs.num_seqs
+    table = inputs.page_table
+    position = jnp.where(real, inputs.kv_lens - 1 + offset, 0)
+    page = jnp.clip(position // page_size, 0, table.shape[1] - 1)
+    slot = jnp.where(real, table[rows, page] * page_size + position % page_size, 0)
+    meta = AttentionMetadata(
+        slot_mapping=slot, query_start=jnp.minimum(jnp.arange(num_padded + 1), inputs.num_seqs),
+        kv_lens=jnp.where(real, position + 1, 0), page_table=table, num_seqs=inputs.num_seqs)
+    return position, meta
+
+
 class DraftRunner:
     def __init__(self, model, kv_caches, *, num_drafts: int, page_size: int,
                  pages_per_seq: int):
@@ -42,13 +59,18 @@ class DraftRunner:
     def num_compiles(self) -> int:
         return len(self._executables)
 
+    def extra_args(self) -> tuple:
+        """Arrays the proposal reads besides its params, caches and inputs (none here)."""
+        return ()
+
     def propose(self, inputs: ModelInputs) -> np.ndarray:
         """Drafts int32[S, k] for the catch-up batch `inputs` (each sequence's chunk ends
         at its last known token); waits for them."""
         bucket = inputs.bucket
         if bucket not in self._executables:
             self.precompile([bucket])
-        self.kv_caches, drafts = self._executables[bucket](self.state, self.kv_caches, inputs)
+        self.kv_caches, drafts = self._executables[bucket](self.state, self.kv_caches, inputs,
+                                                           *self.extra_args())
         return np.asarray(drafts)
 
     def precompile(self, pairs) -> float:
@@ -57,34 +79,21 @@ class DraftRunner:
         for t, s in pairs:
             shapes = jax.tree.map(lambda x: jax.ShapeDtypeStruct(np.shape(x), np.asarray(x).dtype),
                                   padding_inputs(t, s, self.pages_per_seq))
-            self._executables[(t, s)] = self._propose.lower(self.state, self.kv_caches,
-                                                            shapes).compile()
+            self._executables[(t, s)] = self._propose.lower(
+                self.state, self.kv_caches, shapes, *self.extra_args()).compile()
         return time.perf_counter() - started
 
-    def _propose_impl(self, state, kv_caches, inputs: ModelInputs):
+    def _propose_impl(self, state, kv_caches, inputs: ModelInputs, *extra):
         model = nnx.merge(self.graphdef, state)
         hidden, kv_caches = model.forward(inputs.token_ids, inputs.positions, kv_caches,
                                           attention_metadata(inputs))
         token = jnp.argmax(model.compute_logits(hidden[inputs.logits_index]), axis=-1)
         drafts = [token.astype(jnp.int32)]
-        num_padded = inputs.logits_index.shape[0]
-        rows = jnp.arange(num_padded)
-        real = rows < inputs.num_seqs
-        table = inputs.page_table
-        last = inputs.kv_lens - 1  # each sequence's last catch-up position
         for j in range(1, self.num_drafts):
-            position = jnp.where(real, last + j, 0)
-            page = jnp.clip(position // self.page_size, 0, table.shape[1] - 1)
-            slot = jnp.where(real, table[rows, page] * self.page_size
-                             + position % self.page_size, 0)
-            meta = AttentionMetadata(
-                slot_mapping=slot, query_start=jnp.minimum(jnp.arange(num_padded + 1),
-                                                           inputs.num_seqs),
-                kv_lens=jnp.where(real, position + 1, 0), page_table=table,
-                num_seqs=inputs.num_seqs)
+            position, meta = chained_metadata(inputs, j, self.page_size)
             hidden, kv_caches = model.forward(drafts[-1], position, kv_caches, meta)
             drafts.append(jnp.argmax(model.compute_logits(hidden), axis=-1).astype(jnp.int32))
         return kv_caches, jnp.stack(drafts, axis=1)
 
 
-__all__ = ["DraftRunner"]
+__all__ = ["DraftRunner", "chained_metadata"]

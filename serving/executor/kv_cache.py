@@ -45,5 +45,5 @@ def num_pages_to_allocate(cache_config, per_page: int, max_pages_needed: int) ->
 def allocate(model, num_pages: int, page_size: int, dtype):
     caches = model.init_kv_caches(num_pages, page_size, dtype)
     logger.info("KV cache: %d pages x %d tokens (page 0 is the padding scratch page), %.1f MiB",
-                num_pages, page_size, sum(k.nbytes + v.nbytes for k, v in caches) / 2**20)
+                num_pages, page_size, sum(x.nbytes for x in jax.tree.leaves(caches)) / 2**20)
     return caches

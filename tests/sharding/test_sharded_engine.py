@@ -11,6 +11,7 @@ from jax.sharding import PartitionSpec as P
 
 from qwen_jax import LLM, SamplingParams
 from qwen_jax.sharding import param_logical_axes, spec_for
+from tests.helpers.eagle3 import write_eagle3_dir
 from tests.helpers.hf import save_hf_model
 
 ARGS = dict(max_num_seqs=4, max_num_batched_tokens=64, max_model_len=128, token_buckets=[64],
@@ -58,16 +59,21 @@ def test_layout_matches_single_device_tokens(ckpt, prompts, single_device, layou
     assert stats["num_free_pages"] == stats["num_total_pages"]
 
 
-@pytest.mark.parametrize("method", ["ngram", "draft_model"])
-def test_speculative_decoding_under_tp_x_ep_matches_single_device_tokens(ckpt, prompts,
-                                                                          single_device, method):
+@pytest.mark.parametrize("method", ["ngram", "draft_model", "eagle3"])
+def test_speculative_decoding_under_tp_x_ep_matches_single_device_tokens(
+        ckpt, prompts, single_device, method, tmp_path):
     # rows for the 4 sequences and their drafts: a sequence bucket of 16; the draft model
-    # is the target itself, sharded as it is
+    # is the target itself, sharded as it is; the EAGLE-3 head (random) is replicated and
+    # its K/V sharded by kv head as the target's, reading the target's kept hidden states
     args = {**ARGS, "max_num_seqs": 16, "seq_buckets": [16]}
+    model = {"draft_model": ckpt, "eagle3": str(tmp_path)}.get(method)
+    if method == "eagle3":
+        write_eagle3_dir(tmp_path, vocab_size=96, target_hidden_size=32, num_target_layers=3,
+                         num_heads=4, num_kv_heads=2, head_dim=8, aux_layers=(0, 1, 2))
     llm = LLM(ckpt, compilation_cache_dir=None, **args, **LAYOUTS["tp2_ep4"],
               speculative_config={"method": method, "num_speculative_tokens": 3,
                                   "adaptive_draft_length": False,
-                                  **({"model": ckpt} if method == "draft_model" else {})})
+                                  **({"model": model} if model else {})})
     assert [o.outputs[0].token_ids for o in llm.generate(prompts, GREEDY)] == single_device
     stats = llm.stats()
     assert stats["spec_decode_num_draft_tokens"] > 0

@@ -160,7 +160,8 @@ def test_scheduler_runs_drafts_as_query_tokens_and_rolls_rejected_ones_back():
     requests[0].draft_token_ids = [1, 2, 3]
     requests[1].draft_token_ids = [4, 5]
     out = s.schedule()
-    # 3 sequences + 5 drafts > max_num_seqs 4 rows: drafts dropped from the last back
+    # 3 sequences + 5 drafts > 4 rows (the largest sequence bucket, max_num_seqs here):
+    # drafts dropped from the last back
     assert [(q.num_new_tokens, q.num_drafts, q.samples) for q in out.scheduled] == [
         (2, 1, True), (1, 0, True), (1, 0, True)]
     assert out.num_drafts == 1 and out.num_rows == 4
