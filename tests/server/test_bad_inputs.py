@@ -11,7 +11,7 @@ import pytest
 
 from tests.server.conftest import ServerThread, wait_idle
 
-C, CHAT = "/v1/completions", "/v1/chat/completions"
+C, CHAT, R = "/v1/completions", "/v1/chat/completions", "/v1/responses"
 OK = {"prompt": "hi", "max_tokens": 2, "temperature": 0}
 USER = [{"role": "user", "content": "hi"}]
 TOOL = {"type": "function", "function": {"name": "add", "parameters": {
@@ -89,6 +89,26 @@ CASES = [  # (id, path, body: dict or raw bytes, status, param or None)
     ("deeply-nested", C, raw('{"prompt": ' + "[" * 100_000 + "]" * 100_000 + "}"), 400,
      "body"),
     ("ten-megabytes", C, raw(json.dumps({"prompt": "x" * (10 * 2**20)})), 413, "body"),
+    ("responses-input-missing", R, {"max_output_tokens": 2}, 400, "input"),
+    ("responses-input-int", R, {"input": 5}, 400, "input"),
+    ("responses-input-past-context", R, {"input": "word " * 300}, 400, "input"),
+    ("responses-content-int", R, {"input": [{"role": "user", "content": 5}]}, 400,
+     "input[0].content"),
+    ("responses-output-without-call-id", R,
+     {"input": [{"type": "function_call_output", "output": "4"}]}, 400, "input[0].call_id"),
+    ("responses-max-output-tokens-string", R, {"input": "hi", "max_output_tokens": "9"}, 400,
+     "max_output_tokens"),
+    ("responses-temperature-negative", R, {"input": "hi", "temperature": -1}, 400,
+     "temperature"),
+    ("responses-tool-choice-unknown", R, {"input": "hi", "tools": [
+        {"type": "function", **TOOL["function"]}], "tool_choice": {
+        "type": "function", "name": "nope"}}, 400, "tool_choice"),
+    ("responses-previous-unknown", R, {"input": "hi", "previous_response_id": "resp_x"}, 404,
+     "previous_response_id"),
+    ("responses-instructions-int", R, {"input": "hi", "instructions": 5}, 400,
+     "instructions"),
+    ("responses-unknown-field", R, {"input": "hi", "frobnicate": 1}, 400, "frobnicate"),
+    ("responses-bad-json", R, raw('{"input": '), 400, "body"),
     ("messages-missing", CHAT, {"max_tokens": 2}, 400, "messages"),
     ("messages-empty", CHAT, {"messages": []}, 400, "messages"),
     ("messages-string", CHAT, {"messages": "hi"}, 400, "messages"),

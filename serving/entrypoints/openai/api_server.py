@@ -11,6 +11,7 @@ from __future__ import annotations
 
 import asyncio
 import dataclasses
+import functools
 import logging
 import time
 import uuid
@@ -24,6 +25,7 @@ from serving.entrypoints.openai import protocol as proto
 from serving.entrypoints.openai.config import ServerConfig
 from serving.entrypoints.openai.errors import APIError, error_body
 from serving.entrypoints.openai.outputs import Job, merge, sse
+from serving.entrypoints.openai.responses import ResponseStore, create_response, get_response
 from serving.entrypoints.openai.structured_requests import reply_format
 from serving.metrics.prometheus import CONTENT_TYPE, log_throughput, metrics_for
 from serving.parsers.chat_reply import ReplyFormat
@@ -49,7 +51,9 @@ class OpenAIServer:
                            or Path(engine.model_path).name)
         self.max_model_len = engine.max_model_len
         self.vocab_size = engine.model_config.vocab_size
-        self.tokenizer = _with_template(llm.tokenizer, config.chat_template)
+        template = config.chat_template_text()
+        self.tokenizer = (llm.tokenizer if template is None or llm.tokenizer is None
+                          else llm.tokenizer.with_chat_template(template))
         self.default_sampling = engine.default_sampling
         self.max_body = int(config.max_request_body_mb * 2**20)
         self.metrics = metrics_for(llm, self.model_name, config.metrics_prefix)
@@ -58,6 +62,7 @@ class OpenAIServer:
         self.tool_parser = (tool_parser_class(config.tool_call_parser)
                             if config.tool_call_parser else None)
         self.draining = False
+        self.responses = ResponseStore()  # the Responses API's stored responses
         self.num_active = 0  # handlers running: a dead engine's server exits once it is 0
         self.created = int(time.time())
 
@@ -235,6 +240,22 @@ class OpenAIServer:
     async def _generate(self, request, req: proto.ParsedRequest, prompts: list[list[int]],
                         kind: str, prompt_param: str,
                         reply: ReplyFormat | None = None) -> web.StreamResponse:
+        job, first, outputs = await self._start(request, req, prompts, kind, prompt_param,
+                                                reply)
+        try:
+            if req.stream:
+                return await self._stream(request, job, first, outputs)
+            job.add(*first)
+            while (item := await self._engine_call(outputs.__anext__())) is not None:
+                job.add(*item)
+        finally:
+            await outputs.aclose()
+        request[LOG].update(job.log_fields())
+        return web.json_response(job.response())
+
+    async def _start(self, request, req: proto.ParsedRequest, prompts: list[list[int]],
+                     kind: str, prompt_param: str, reply: ReplyFormat | None = None):
+        """Submit the prompts: (their Job, the first (prompt, output), the merged rest)."""
         for ids in prompts:
             if not ids:
                 raise APIError(400, f"{prompt_param} is empty: it must contain at least one "
@@ -253,15 +274,10 @@ class OpenAIServer:
         outputs = merge(gens)
         try:
             first = await self._engine_call(outputs.__anext__())
-            if req.stream:
-                return await self._stream(request, job, first, outputs)
-            job.add(*first)
-            while (item := await self._engine_call(outputs.__anext__())) is not None:
-                job.add(*item)
-        finally:
+        except BaseException:
             await outputs.aclose()
-        request[LOG].update(job.log_fields())
-        return web.json_response(job.response())
+            raise
+        return job, first, outputs
 
     async def _engine_call(self, awaitable):
         """Await the engine; its rejections become HTTP errors. None when a stream ends."""
@@ -359,17 +375,6 @@ class OpenAIServer:
 STATE = web.AppKey("state", OpenAIServer)
 
 
-def _with_template(tokenizer, template: str | None):
-    """The tokenizer, with `--chat-template` (a file, or the template text) when given."""
-    if template is None or tokenizer is None:
-        return tokenizer
-    path = Path(template)
-    text = path.read_text(encoding="utf-8") if path.is_file() else template
-    if "{{" not in text and "{%" not in text:
-        raise ValueError(f"chat_template {template!r} is neither a file nor a Jinja template")
-    return tokenizer.with_chat_template(text)
-
-
 def build_app(llm, config: ServerConfig | None = None) -> web.Application:
     """The aiohttp application; serve it with `handler_cancellation=True` so a client
     disconnect aborts its request."""
@@ -381,6 +386,8 @@ def build_app(llm, config: ServerConfig | None = None) -> web.Application:
     app.add_routes([
         web.post("/v1/completions", server.completions),
         web.post("/v1/chat/completions", server.chat_completions),
+        web.post("/v1/responses", functools.partial(create_response, server)),
+        web.get("/v1/responses/{response_id}", functools.partial(get_response, server)),
         web.get("/v1/models", server.models),
         web.get("/health", server.health),
         web.get("/metrics", server.prometheus),

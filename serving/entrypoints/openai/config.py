@@ -4,6 +4,7 @@ validated on construction."""
 from __future__ import annotations
 
 import dataclasses
+from pathlib import Path
 
 from qwen_jax.validation import require
 from serving.metrics.prometheus import METRICS_PREFIXES
@@ -48,3 +49,14 @@ class ServerConfig:
         require(isinstance(self.default_chat_template_kwargs, dict),
                 "default_chat_template_kwargs", self.default_chat_template_kwargs,
                 "a JSON object")
+
+    def chat_template_text(self) -> str | None:
+        """`--chat-template`'s template: the file's text, or the option's own."""
+        if self.chat_template is None:
+            return None
+        path = Path(self.chat_template)
+        text = path.read_text(encoding="utf-8") if path.is_file() else self.chat_template
+        if "{{" not in text and "{%" not in text:
+            raise ValueError(f"chat_template {self.chat_template!r} is neither a file nor a "
+                             "Jinja template")
+        return text

@@ -146,7 +146,7 @@ class Job:
     added up (the engine streams DELTA outputs: what is new since the one before), and
     each chat choice's reply parser."""
 
-    kind: str  # "cmpl" or "chatcmpl"
+    kind: str  # "cmpl", "chatcmpl" or "resp"
     request_id: str
     model: str
     req: proto.ParsedRequest
@@ -166,7 +166,7 @@ class Job:
 
     @property
     def chat(self) -> bool:
-        return self.kind == "chatcmpl"
+        return self.kind in ("chatcmpl", "resp")  # resp: the Responses API's (responses.py)
 
     def add(self, p: int, output: RequestOutput) -> list[tuple[int, CompletionOutput, int]]:
         """Adds prompt p's DELTA output to its choices. Returns each part as (choice index,
@@ -262,6 +262,16 @@ class Job:
             else:
                 out.append(sse(self._chunk([self._choice(index, c, c.text, finish,
                                                          text_offset=num_chars)])))
+        return out
+
+    def deltas(self, p: int, output: RequestOutput) -> list[tuple[int, dict, str | None]]:
+        """What `output` (DELTA) adds to prompt p's chat choices, as (choice index, delta,
+        finish_reason): the Responses API's stream (responses.py) reads these."""
+        out = []
+        for index, c, _ in self.add(p, output):
+            delta = self._delta(index, c.text, index not in self.streams,
+                                c.finish_reason is not None)
+            out.append((index, delta, self.streams[index].finish_reason(c.finish_reason)))
         return out
 
     def _template(self, index: int) -> tuple[bytes, bytes] | None:
