@@ -120,7 +120,7 @@ class FakeDevice:
         self.seconds = seconds
         self.busy_until = 0.0
 
-    def dispatch(self, inputs, sampling, prev=None):
+    def dispatch(self, inputs, sampling, prev=None, score_rows=None):
         start = max(time.perf_counter(), self.busy_until)
         self.busy_until = start + self.seconds
         return _FakePending(self.busy_until, inputs.bucket[1])

@@ -163,8 +163,9 @@ class Tokenizer:
     def __init__(self, backend: tokenizers.Tokenizer, *, eos_token: str | None = None,
                  pad_token: str | None = None, bos_token: str | None = None,
                  extra_special_tokens: Iterable[str] = (), generation_eos_ids: Sequence[int] = (),
-                 chat_template: str | None = None):
+                 chat_template: str | None = None, config: dict | None = None):
         self.backend = backend
+        self.config = dict(config or {})  # tokenizer_config.json as read
         self.eos_token, self.pad_token, self.bos_token = eos_token, pad_token, bos_token
         self.chat_template = chat_template
         self._compiled_template: jinja2.Template | None = None
@@ -199,7 +200,7 @@ class Tokenizer:
                    bos_token=_token_content(config.get("bos_token")),
                    extra_special_tokens=[t for t in extra if t],
                    generation_eos_ids=_generation_eos_ids(path),
-                   chat_template=_read_chat_template(path, config))
+                   chat_template=_read_chat_template(path, config), config=config)
 
     def with_chat_template(self, template: str) -> Tokenizer:
         """A copy rendering chats with `template` (compiled now, so errors show at once)."""

@@ -196,6 +196,9 @@ def _add_chat_args(p) -> None:
     p.add_argument("--tool-call-parser", default=None, choices=sorted(TOOL_PARSERS),
                    help="parse tool calls out of chat replies into message.tool_calls "
                         "(delta.tool_calls when streamed); hermes is Qwen3's format")
+    p.add_argument("--enable-tokenizer-info-endpoint", action="store_true",
+                   help="serve GET /tokenizer_info (the tokenizer's config and chat template; "
+                        "vLLM's option)")
     p.add_argument("--enable-auto-tool-choice", action="store_true",
                    help="allow tool_choice \"auto\" (the default when a request has tools): "
                         "the model decides whether to call; needs --tool-call-parser")

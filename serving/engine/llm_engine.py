@@ -26,6 +26,7 @@ from serving.engine import stats as engine_stats
 from serving.engine.config import EngineConfig
 from serving.engine.generation_config import sampling_defaults
 from serving.engine.output_processor import OutputProcessor, ParentState, SeqState, stream_due
+from serving.engine.prompt_scoring import initial_entries, record, score_rows
 from serving.engine.speculation import Speculator
 from serving.engine.step_records import (
     Flight,
@@ -70,9 +71,7 @@ class LLMEngine:
         self.load_seconds = time.perf_counter() - started
         self.model_config = self.model.config
         self.tokenizer = engine_setup.load_tokenizer(config, self.model_path)
-        eos = set(self.model_config.eos_token_ids)
-        if self.tokenizer is not None:
-            eos |= set(self.tokenizer.eos_token_ids)
+        eos = {*self.model_config.eos_token_ids, *getattr(self.tokenizer, "eos_token_ids", ())}
         self.output_processor = OutputProcessor(self.tokenizer, tuple(sorted(eos)))
         self.default_sampling = sampling_defaults(self.model_path, config.generation_config)
         self.grammars = (None if self.tokenizer is None else
@@ -154,8 +153,7 @@ class LLMEngine:
                 self.scheduler.add_request(request)
                 children.append(self._seq_state(request, request_id, i, blocked))
                 children[-1].guide = self._guide(params, ids)
-            prompt_lps = (None if params.prompt_logprobs is None
-                          else self._prompt_logprobs(ids, params.prompt_logprobs))
+            prompt_lps = initial_entries(params.prompt_logprobs)
         except Exception:
             for child in children:
                 self.scheduler.abort(child.request.request_id)
@@ -165,7 +163,7 @@ class LLMEngine:
             self._num_guided += child.guide is not None
         self._parents[request_id] = ParentState(
             request_id, text, ids, children, kind != RequestOutputKind.FINAL_ONLY, prompt_lps,
-            delta=kind == RequestOutputKind.DELTA)
+            delta=kind == RequestOutputKind.DELTA, num_prompt_logprobs=params.prompt_logprobs or 0)
 
     def _guide(self, params: SamplingParams, prompt_ids: list[int]) -> Guide | None:
         """The grammar guide of a request with structured outputs, else None."""
@@ -179,11 +177,6 @@ class LLMEngine:
         if isinstance(constraint, dict):  # SamplingParams converts these on construction
             constraint = StructuredOutputsParams.from_dict(constraint)
         return self.grammars.guide(constraint, prompt_ids)
-
-    def _prompt_logprobs(self, ids: list[int], num: int) -> list:
-        if distributed.is_multiprocess():
-            raise ValueError("prompt_logprobs is not supported with multiple processes")
-        return self.output_processor.prompt_logprobs(ids, self.runner.score_prompt(ids), num)
 
     def _seq_state(self, request, parent_id, index, blocked) -> SeqState:
         # Children of one request get distinct streams; an explicit seed stays reproducible.
@@ -287,15 +280,16 @@ class LLMEngine:
             None if masks is None else masks.result())
         if distributed.is_multiprocess():
             distributed.publish_step(batch, sampling)
+        score, claims = score_rows(out, batch, self._parent_of, buckets[0])
         started = time.perf_counter()
         pending = self.runner.dispatch(batch, sampling,
-                                       None if previous is None else previous.pending)
+                                       None if previous is None else previous.pending, score)
         rows = {}
         for row, scheduled in enumerate(out.scheduled):
             if scheduled.samples:
                 rows[scheduled.request.request_id] = row
                 scheduled.request.num_pending_tokens += 1
-        return Flight(out, pending, rows, started, batch)
+        return Flight(out, pending, rows, started, batch, claims)
 
     def _retire(self, flight: Flight) -> list[RequestOutput]:
         """Read a dispatched step's tokens and process them."""
@@ -310,7 +304,12 @@ class LLMEngine:
                           "bucket": batch.bucket, "seconds": seconds,
                           "num_preempted": len(out.preempted),
                           "num_admitted": out.num_admitted, "shape": step_shape(batch)}
+        record(flight.claims, result.prompt_logprobs, self.output_processor)
         return self._process_tokens(out, result)
+
+    def _parent_of(self, request_id: str) -> ParentState | None:
+        seq = self._seqs.get(request_id)
+        return None if seq is None else self._parents.get(seq.parent_id)
 
     def _process_tokens(self, out, result) -> list[RequestOutput]:
         """Take each sampled token off the pending count, append it, check stops and

@@ -75,6 +75,8 @@ class ParentState:
     children: list[SeqState]
     stream: bool = True  # False: only the final output is built (offline generate)
     prompt_logprobs: list | None = None  # DELTA outputs hand it over once, in the first
+    num_prompt_logprobs: int = 0  # the most likely tokens each prompt entry holds
+    prompt_scored: int = 0  # prompt positions scored so far (engine/prompt_scoring.py)
     error: str | None = None  # why the engine failed this request (finish_reason "error")
     delta: bool = False  # its outputs hold what is new since the one before (DELTA)
 
@@ -172,15 +174,9 @@ class OutputProcessor:
             raise ValueError(f"request {seq.request.request_id!r} asked for logprobs but "
                              "the step computed none")
         seq.cumulative_logprob += float(logprobs.logprob[row])
-        seq.logprobs.append(self._logprob_entry(token, logprobs, row, num))
+        seq.logprobs.append(self.logprob_entry(token, logprobs, row, num))
 
-    def prompt_logprobs(self, prompt_ids: list[int], scored: TokenLogprobs, num: int) -> list:
-        """vLLM's format: None for the first token, then {token_id: Logprob} holding the
-        prompt token and the `num` most likely tokens at that position."""
-        return [None] + [self._logprob_entry(token, scored, i, num)
-                         for i, token in enumerate(prompt_ids[1:])]
-
-    def _logprob_entry(self, token: int, logprobs: TokenLogprobs, row: int,
+    def logprob_entry(self, token: int, logprobs: TokenLogprobs, row: int,
                        num: int) -> dict[int, Logprob]:
         """{token_id: Logprob} of one position: the chosen token, then the `num` most likely
         (the chosen one keeps its own entry when it is among them)."""

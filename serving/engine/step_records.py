@@ -83,6 +83,7 @@ class Flight:
     rows: dict[str, int]  # request id -> row, of the requests it samples a token for
     started: float
     batch: ModelInputs  # its host arrays
+    claims: list = dataclasses.field(default_factory=list)  # its scored prompt rows' owners
 
 
 def step_shape(batch: ModelInputs) -> StepShape:

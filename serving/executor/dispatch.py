@@ -39,7 +39,8 @@ class PendingStep:
             if self._want_logprobs:
                 self._host = jax.device_get(out)
             else:
-                self._host = SamplerOutput(token_ids=np.asarray(out.token_ids), logprobs=None)
+                self._host = SamplerOutput(token_ids=np.asarray(out.token_ids), logprobs=None,
+                                           prompt_logprobs=jax.device_get(out.prompt_logprobs))
         return self._host
 
 

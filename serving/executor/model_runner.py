@@ -1,5 +1,8 @@
 """The jitted step: forward over the padded ragged batch, lm head on the sampled rows,
-sampling. One executable per (token bucket, sequence bucket); the KV cache is donated."""
+sampling. One executable per (token bucket, sequence bucket); the KV cache is donated.
+A step with prompt rows to score (vLLM's prompt_logprobs: serving/engine/prompt_scoring.py)
+also takes their rows and next tokens and returns their logprobs: one executable per
+(T, S, R) with R the scored rows padded to a token bucket, compiled the first time."""
 
 from __future__ import annotations
 
@@ -24,7 +27,6 @@ from serving.sample.sampler import sample, token_logprobs
 from serving.sample.sampling_arrays import (
     SamplerOutput,
     SamplingArrays,
-    TokenLogprobs,
     build_sampling_arrays,
     uses_penalty_rows,
 )
@@ -59,8 +61,8 @@ class ModelRunner:
         self.pages_per_seq = pages_per_seq
         self.max_num_seqs = max_num_seqs
         self.vocab_size = model.config.vocab_size
-        self._executables: dict[tuple[int, int], jax.stages.Compiled] = {}  # (T, S) -> step
-        self._scorers: dict[int, Callable] = {}  # padded prompt length -> jitted scorer
+        # (T, S) -> step; (T, S, R) -> the step scoring R prompt rows
+        self._executables: dict[tuple, jax.stages.Compiled] = {}
         # Device-resident defaults, never sent: per S the inactive grammar mask and the
         # no-penalty token array; one zero `next_tokens` for a step with no step before.
         self._inactive_masks: dict[int, TokenMask] = {}
@@ -70,7 +72,7 @@ class ModelRunner:
         # their kv-head shards across steps.
         self._inputs_sharding: NamedSharding | None = None if mesh is None else replicated(mesh)
         cache_shardings = None if mesh is None else jax.tree.map(lambda x: x.sharding, kv_caches)
-        self._step = jax.jit(self._step_impl, donate_argnums=(1,), static_argnums=(6,),
+        self._step = jax.jit(self._step_impl, donate_argnums=(1,), static_argnums=(7,),
                              out_shardings=None if mesh is None else (cache_shardings,
                                                                       replicated(mesh)))
         self._dispatch_thread: DispatchThread | None = None
@@ -82,14 +84,15 @@ class ModelRunner:
     @property
     def num_compiles(self) -> int:
         """Executables built so far: one per (T, S) bucket (all at start-up), plus one per
-        power-of-two prompt length the first time a request asks for prompt_logprobs."""
-        return len(self._executables) + len(self._scorers)
+        (T, S, R) the first time a step scores R prompt rows (prompt_logprobs)."""
+        return len(self._executables)
 
     def _step_impl(self, state, kv_caches, words, penalty_tokens, token_mask, prev_tokens,
-                   bucket: tuple[int, int]):
+                   score_rows, bucket: tuple[int, int]):
         """words: the step's small inputs packed (serving/executor/transfer.py); penalty_tokens and
         token_mask travel apart (large, and device-resident when unused); prev_tokens:
-        the previous step's `next_tokens`, read where inputs.prev_index >= 0."""
+        the previous step's `next_tokens`, read where inputs.prev_index >= 0; score_rows:
+        None, or int32[2, R]: prompt rows to score and the token after each."""
         inputs, sampling = unpack(words, self._packed_template(bucket))
         sampling = dataclasses.replace(sampling, penalty_tokens=penalty_tokens,
                                        token_mask=token_mask)
@@ -103,6 +106,9 @@ class ModelRunner:
                                           attention_metadata(inputs))
         logits = model.compute_logits(hidden[inputs.logits_index])  # [S, V] f32
         out = sample(logits, sampling)
+        if score_rows is not None:
+            scored = jax.nn.log_softmax(model.compute_logits(hidden[score_rows[0]]), axis=-1)
+            out = dataclasses.replace(out, prompt_logprobs=token_logprobs(scored, score_rows[1]))
         next_tokens = jax.numpy.zeros(self.max_num_seqs, jax.numpy.int32).at[
             :bucket[1]].set(out.token_ids)
         return kv_caches, (out, next_tokens)
@@ -120,11 +126,13 @@ class ModelRunner:
         return self.dispatch(inputs, sampling).result()
 
     def dispatch(self, inputs: ModelInputs, sampling: SamplingArrays,
-                 prev: PendingStep | None = None) -> PendingStep:
+                 prev: PendingStep | None = None,
+                 score_rows: np.ndarray | None = None) -> PendingStep:
         """Start one step and return at once. Host to device: one packed int32 buffer,
         plus the penalty tokens / grammar mask only when some row uses them (otherwise
         device-resident defaults). `prev`: the step whose sampled tokens rows with
-        inputs.prev_index >= 0 take as input."""
+        inputs.prev_index >= 0 take as input. `score_rows`: int32[2, R] prompt rows to
+        score (their logprobs come back as the output's prompt_logprobs)."""
         num_seqs = inputs.bucket[1]
         words = pack((inputs, _small(sampling)))
         mask = sampling.token_mask
@@ -135,17 +143,21 @@ class ModelRunner:
                      else self._resident(self._no_penalties, num_seqs, lambda: padding_sampling(
                          num_seqs, self.max_model_len, self.vocab_size).penalty_tokens))
         args = [words, penalties, mask_arg]
+        key = inputs.bucket if score_rows is None else (*inputs.bucket, score_rows.shape[1])
         if self._inputs_sharding is not None:  # host leaves -> replicated global arrays
             args = [jax.tree.map(lambda x: x if isinstance(x, jax.Array) else self._replicate(x),
                                  a) for a in args]
         want_logprobs = bool(sampling.want_logprobs)
+        scored = (None if score_rows is None else self._replicate(score_rows)
+                  if self._inputs_sharding is not None else score_rows)
 
         def launch():
             prev_tokens = prev.next_tokens if prev is not None else self._zero_prev_tokens()
-            step = self._executables.get(inputs.bucket) or self._compile([inputs.bucket])[0]
+            step = self._executables.get(key) or self._compile([key])[0]
             self.kv_caches, (out, next_tokens) = step(self.state, self.kv_caches, *args,
-                                                      prev_tokens)
-            for leaf in jax.tree.leaves(out if want_logprobs else out.token_ids):
+                                                      prev_tokens, scored)
+            wanted = out if want_logprobs else (out.token_ids, out.prompt_logprobs)
+            for leaf in jax.tree.leaves(wanted):
                 leaf.copy_to_host_async()  # the copy back starts as soon as it is ready
             return out, next_tokens
 
@@ -206,31 +218,15 @@ class ModelRunner:
         return jax.make_array_from_callback(host.shape, self._inputs_sharding,
                                             lambda index: host[index])
 
-    def score_prompt(self, token_ids: list[int]) -> TokenLogprobs:
-        """Logprobs of each prompt token given its prefix (vLLM's prompt_logprobs), from a
-        full-sequence forward padded to a power of two (compiled once per length bucket).
-        Returns host arrays with a row for each of positions 1..n-1."""
-        num = len(token_ids)
-        padded = max(16, 1 << (num - 1).bit_length())
-        ids = np.zeros((1, padded), np.int32)
-        ids[0, :num] = token_ids
-        if padded not in self._scorers:
-            self._scorers[padded] = jax.jit(self._score_impl)
-        out = self._scorers[padded](self.state, ids)
-        return jax.tree.map(lambda v: np.asarray(v)[:num - 1], jax.device_get(out))
-
-    def _score_impl(self, state, ids) -> TokenLogprobs:
-        model = nnx.merge(self.graphdef, state)
-        logprobs = jax.nn.log_softmax(model(ids)[0, :-1], axis=-1)  # [T-1, V] f32
-        return token_logprobs(logprobs, ids[0, 1:])
-
-    def _abstract_args(self, bucket):
-        """The step's arguments after state and caches, as ShapeDtypeStructs."""
-        _, s = bucket
-        sampling = padding_sampling(s, self.max_model_len, self.vocab_size)
+    def _abstract_args(self, key):
+        """The step's arguments after state and caches, as ShapeDtypeStructs; key: (T, S),
+        or (T, S, R) for a step scoring R prompt rows."""
+        bucket = tuple(key[:2])
+        sampling = padding_sampling(bucket[1], self.max_model_len, self.vocab_size)
         host = (np.zeros(packed_size(self._packed_template(bucket)), np.int32),
                 sampling.penalty_tokens, sampling.token_mask,
-                np.zeros(self.max_num_seqs, np.int32))
+                np.zeros(self.max_num_seqs, np.int32),
+                None if len(key) == 2 else np.zeros((2, key[2]), np.int32))
         return (*jax.tree.map(lambda x: jax.ShapeDtypeStruct(
             np.shape(x), np.asarray(x).dtype, sharding=self._inputs_sharding), host), bucket)
 

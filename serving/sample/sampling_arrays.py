@@ -93,6 +93,9 @@ class SamplerOutput:
 
     token_ids: jax.Array | np.ndarray  # i32[S]
     logprobs: TokenLogprobs | None  # zeros on the device, None on the host, when not asked
+    # prompt_logprobs: the scored prompt rows' (the step's score_rows, in order); None in
+    # steps without them
+    prompt_logprobs: TokenLogprobs | None = None
 
 
 # SamplingArrays fields of sampling_row's values: (name, dtype, padding rows' value)

@@ -213,7 +213,7 @@ class _BlockingStep:
     def __bool__(self):
         return True
 
-    def __call__(self, state, kv_caches, words, penalties, mask, prev_tokens):
+    def __call__(self, state, kv_caches, words, penalties, mask, prev_tokens, score_rows):
         self.calls += 1
         if self.calls >= 2:
             with self._changed:

@@ -14,10 +14,10 @@ def fail_device_step(engine, after_steps: int = 0) -> None:
     real = engine.runner.dispatch
     calls = {"n": 0}
 
-    def dispatch(inputs, sampling, prev=None):
+    def dispatch(inputs, sampling, prev=None, score_rows=None):
         calls["n"] += 1
         if calls["n"] <= after_steps:
-            return real(inputs, sampling, prev)
+            return real(inputs, sampling, prev, score_rows)
         for buffer in jax.tree.leaves(engine.runner.kv_caches):
             buffer.delete()
         raise RuntimeError("injected: the XLA step failed on the device")
@@ -30,8 +30,8 @@ def corrupt_token_after(engine, marker: int, bad_token: int = -7):
     value coming back from the device; the cache is intact). Returns the undo function."""
     real = engine.runner.dispatch
 
-    def dispatch(inputs, sampling, prev=None):
-        pending = real(inputs, sampling, prev)
+    def dispatch(inputs, sampling, prev=None, score_rows=None):
+        pending = real(inputs, sampling, prev, score_rows)
         result = pending.result
 
         def corrupted():

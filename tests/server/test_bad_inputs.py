@@ -77,7 +77,7 @@ CASES = [  # (id, path, body: dict or raw bytes, status, param or None)
      {**OK, "stream": True, "stream_options": {"include_usage": "yes"}}, 400, "include_usage"),
     ("unknown-model", C, {**OK, "model": "gpt-4"}, 404, "model"),
     ("model-not-string", C, {**OK, "model": 123}, 400, "model"),
-    ("echo-unsupported", C, {**OK, "echo": True}, 400, "echo"),
+    ("echo-string", C, {**OK, "echo": "yes"}, 400, "echo"),
     ("best-of-unsupported", C, {**OK, "best_of": 3}, 400, "best_of"),
     ("logit-bias-unsupported", C, {**OK, "logit_bias": {"1": 5}}, 400, "logit_bias"),
     ("priority-string", C, {**OK, "priority": "high"}, 400, "priority"),

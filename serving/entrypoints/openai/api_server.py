@@ -2,10 +2,9 @@
 kills the engine, in-flight and new requests get a 500 and /health a 503 (serve_process.py
 then exits the process). `qwen-jax serve` runs it through serve_process.py.
 
-Parsing and response shapes live in protocol.py and outputs.py; generation lives in the engine. A
-client that disconnects cancels its handler (`handler_cancellation=True`), which closes
-the request's streams and so aborts it in the engine at once.
-"""
+Parsing and response shapes live in protocol.py and outputs.py (the Responses API in responses.py);
+a client that disconnects cancels its handler (`handler_cancellation=True`), which closes the
+request's streams and so aborts it in the engine at once."""
 
 from __future__ import annotations
 
@@ -24,9 +23,10 @@ from serving.entrypoints.openai import http_policy
 from serving.entrypoints.openai import protocol as proto
 from serving.entrypoints.openai.config import ServerConfig
 from serving.entrypoints.openai.errors import APIError, error_body
-from serving.entrypoints.openai.outputs import Job, merge, sse
+from serving.entrypoints.openai.outputs import Echo, Job, make_echo, merge, sse
 from serving.entrypoints.openai.responses import ResponseStore, create_response, get_response
 from serving.entrypoints.openai.structured_requests import reply_format
+from serving.entrypoints.openai.tokenizer_info import tokenizer_info
 from serving.metrics.prometheus import CONTENT_TYPE, log_throughput, metrics_for
 from serving.parsers.chat_reply import ReplyFormat
 from serving.parsers.reasoning import reasoning_parser_class
@@ -202,7 +202,8 @@ class OpenAIServer:
         self._note_unknown(request, req)
         await self._check_constraint(req)
         prompts = [p if isinstance(p, list) else await self._encode(p) for p in req.prompts]
-        return await self._generate(request, req, prompts, "cmpl", "prompt")
+        echo = make_echo(req, req.prompts, prompts, self.tokenizer)
+        return await self._generate(request, req, prompts, "cmpl", "prompt", echo=echo)
 
     async def chat_completions(self, request: web.Request) -> web.StreamResponse:
         req = proto.parse_chat(await self._json(request), self.vocab_size, self.default_sampling)
@@ -238,10 +239,10 @@ class OpenAIServer:
             raise APIError(400, f"{req.structured_field}: {error}", param=req.structured_field)
 
     async def _generate(self, request, req: proto.ParsedRequest, prompts: list[list[int]],
-                        kind: str, prompt_param: str,
-                        reply: ReplyFormat | None = None) -> web.StreamResponse:
+                        kind: str, prompt_param: str, reply: ReplyFormat | None = None,
+                        echo: Echo | None = None) -> web.StreamResponse:
         job, first, outputs = await self._start(request, req, prompts, kind, prompt_param,
-                                                reply)
+                                                reply, echo)
         try:
             if req.stream:
                 return await self._stream(request, job, first, outputs)
@@ -254,7 +255,8 @@ class OpenAIServer:
         return web.json_response(job.response())
 
     async def _start(self, request, req: proto.ParsedRequest, prompts: list[list[int]],
-                     kind: str, prompt_param: str, reply: ReplyFormat | None = None):
+                     kind: str, prompt_param: str, reply: ReplyFormat | None = None,
+                     echo: Echo | None = None):
         """Submit the prompts: (their Job, the first (prompt, output), the merged rest)."""
         for ids in prompts:
             if not ids:
@@ -264,7 +266,7 @@ class OpenAIServer:
                   for ids in prompts]
         job = Job(kind=kind, request_id=f"{kind}-{request[REQUEST_ID]}", model=self.model_name,
                   req=req, prompts=prompts, params=params, metrics=self.metrics,
-                  reply=reply or ReplyFormat())
+                  reply=reply or ReplyFormat(), echo=echo)
         request[LOG].update(prompt_tokens=sum(map(len, prompts)))
         # Engine ids stay unique even when clients reuse an X-Request-Id.
         engine_id = f"{job.request_id}-{uuid.uuid4().hex[:8]}"
@@ -393,5 +395,6 @@ def build_app(llm, config: ServerConfig | None = None) -> web.Application:
         web.get("/metrics", server.prometheus),
         web.post("/tokenize", server.tokenize),
         web.post("/detokenize", server.detokenize),
-    ])
+    ] + ([web.get("/tokenizer_info", functools.partial(tokenizer_info, server))]
+         if server.config.enable_tokenizer_info_endpoint else []))
     return app

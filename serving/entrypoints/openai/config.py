@@ -31,6 +31,7 @@ class ServerConfig:
     default_chat_template_kwargs: dict = dataclasses.field(default_factory=dict)
     allowed_origins: tuple[str, ...] = ()  # CORS: origins browsers may call from; "*" any
     metrics_prefix: str = "qwen_jax"
+    enable_tokenizer_info_endpoint: bool = False  # GET /tokenizer_info (vLLM's option)
 
     def __post_init__(self) -> None:
         require(0 <= self.port <= 65535, "port", self.port, "in [0, 65535]")

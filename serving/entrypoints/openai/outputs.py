@@ -97,6 +97,48 @@ def completion_logprobs(token_ids: list[int], entries: list[dict], k: int,
     return out
 
 
+def prompt_logprobs_json(entries: list | None) -> list | None:
+    """vLLM's prompt_logprobs: per prompt token None (the first) or {token id: {logprob,
+    rank, decoded_token}}."""
+    if entries is None:
+        return None
+    return [None if entry is None else {
+        str(t): {"logprob": _clamp(lp.logprob), "rank": lp.rank,
+                 "decoded_token": lp.decoded_token} for t, lp in entry.items()}
+        for entry in entries]
+
+
+@dataclasses.dataclass(frozen=True)
+class Echo:
+    """completions' `echo`: each prompt's text, prepended to its choices, and its first
+    token's text (the one token without a logprob)."""
+
+    texts: list[str]
+    first_tokens: list[str]
+    hide_output: bool = False  # max_tokens 0: the prompt alone (the token made is unshown)
+
+    def logprobs(self, p: int, prompt_ids: list[int], entries: list | None, k: int) -> dict:
+        """completions logprobs over prompt p: its first token's null, offsets from 0."""
+        first = self.first_tokens[p]
+        rest = completion_logprobs(prompt_ids[1:], (entries or [None])[1:], k, len(first))
+        return {"tokens": [first, *rest["tokens"]],
+                "token_logprobs": [None, *rest["token_logprobs"]],
+                "top_logprobs": [None, *rest["top_logprobs"]],
+                "text_offset": [0, *rest["text_offset"]]}
+
+
+def make_echo(req: proto.ParsedRequest, prompts: list, ids: list[list[int]],
+              tokenizer) -> Echo | None:
+    """The Echo of a completions request with echo=true (prompts as given: text, or ids
+    decoded), else None."""
+    if not req.echo:
+        return None
+    decode = (lambda t: "") if tokenizer is None else (
+        lambda t: tokenizer.decode(t, skip_special_tokens=False))
+    return Echo([p if isinstance(p, str) else decode(i) for p, i in zip(prompts, ids)],
+                [decode(i[:1]) for i in ids], req.echo_only)
+
+
 def _chat_token(lp) -> dict:
     token = lp.decoded_token or ""
     return {"token": token, "logprob": _clamp(lp.logprob), "bytes": list(token.encode())}
@@ -154,6 +196,7 @@ class Job:
     params: list[SamplingParams]
     metrics: Metrics
     reply: ReplyFormat = ReplyFormat()  # chat only: reasoning and tool-call parsing
+    echo: Echo | None = None  # completions with echo=true
 
     def __post_init__(self) -> None:
         self.created = int(time.time())
@@ -163,6 +206,8 @@ class Job:
         self.choices: dict[int, Choice] = {}
         self.streams: dict[int, ReplyStream] = {}
         self._templates: dict[int, tuple[bytes, bytes] | None] = {}  # see _template
+        self.prompt_logprobs: list = [None] * len(self.prompts)  # each prompt's, once out
+        self._started: set[int] = set()  # choices with a chunk sent (echo: the prompt's)
 
     @property
     def chat(self) -> bool:
@@ -173,6 +218,8 @@ class Job:
         the part, the number of characters of the choice before it)."""
         self.trackers[p].observe(output)
         self.latest[p] = output
+        if output.prompt_logprobs is not None:
+            self.prompt_logprobs[p] = output.prompt_logprobs
         parts = []
         for c in output.outputs:
             index = p * self.n + c.index
@@ -185,7 +232,8 @@ class Job:
 
     # ---- whole responses ---------------------------------------------------------------
     def usage(self) -> dict:
-        usage = proto.usage(sum(map(len, self.prompts)),
+        hidden = self.echo is not None and self.echo.hide_output
+        usage = proto.usage(sum(map(len, self.prompts)), 0 if hidden else
                             sum(len(c.token_ids) for c in self.choices.values()))
         cached = sum(o.num_cached_tokens or 0 for o in self.latest if o is not None)
         return {**usage, "prompt_tokens_details": {"cached_tokens": cached}}
@@ -195,10 +243,13 @@ class Job:
         for i in sorted(self.choices):
             c = self.choices[i].completion()
             choices.append(self._choice(i, c, c.text, c.finish_reason))
-        return {"id": self.request_id,
-                "object": "chat.completion" if self.chat else "text_completion",
-                "created": self.created, "model": self.model, "choices": choices,
-                "usage": self.usage()}
+        out: dict[str, Any] = {"id": self.request_id,
+               "object": "chat.completion" if self.chat else "text_completion",
+               "created": self.created, "model": self.model, "choices": choices,
+               "usage": self.usage()}
+        if self.chat and self.req.prompt_logprobs is not None:  # vLLM's: top level in chat
+            out["prompt_logprobs"] = prompt_logprobs_json(self.prompt_logprobs[0])
+        return out
 
     def log_fields(self) -> dict:
         reasons = sorted({str(c.finish_reason) for c in self.choices.values()})
@@ -213,17 +264,49 @@ class Job:
         return completion_logprobs(c.token_ids, c.logprobs, self.req.logprobs, text_offset)
 
     def _choice(self, index: int, c: CompletionOutput, text: str, finish_reason: str | None,
-                *, delta: dict | None = None, text_offset: int = 0) -> dict:
+                *, delta: dict | None = None, text_offset: int = 0, first: bool = True) -> dict:
         choice: dict[str, Any] = {"index": index}
         if delta is not None:
             choice["delta"] = delta
         elif self.chat:
             choice["message"], finish_reason = self.reply.message(text, finish_reason)
+        elif self.echo is not None or self.req.prompt_logprobs is not None:
+            return self._echoed(index, c, text, finish_reason, text_offset, first)
         else:
             choice["text"] = text
         choice["logprobs"] = self._logprobs(c, text_offset)
         choice["finish_reason"] = finish_reason
         choice["stop_reason"] = c.stop_reason if finish_reason else None
+        return choice
+
+    def _echoed(self, index: int, c: CompletionOutput, text: str, finish_reason: str | None,
+                text_offset: int, first: bool) -> dict:
+        """A completions choice with echo or prompt_logprobs: with echo, the prompt's text
+        (and logprobs) first, in a whole response or a stream's first chunk, and the
+        generated part after it unless hidden (max_tokens 0); vLLM's prompt_logprobs in
+        the first."""
+        echo, p = self.echo, index // self.n
+        prompt = echo.texts[p] if echo is not None and first else ""
+        shown = echo is None or not echo.hide_output
+        logprobs: dict[str, list] | None = None
+        if self.req.logprobs is not None:
+            merged: dict[str, list] = {"tokens": [], "token_logprobs": [], "top_logprobs": [],
+                                       "text_offset": []}
+            parts = [echo.logprobs(p, self.prompts[p], self.prompt_logprobs[p],
+                                   self.req.logprobs)] if echo is not None and first else []
+            if shown and c.logprobs is not None:
+                parts.append(completion_logprobs(c.token_ids, c.logprobs, self.req.logprobs,
+                                                 len(echo.texts[p] if echo else "")
+                                                 + text_offset))
+            for part in parts:
+                for key in merged:
+                    merged[key] += part[key]
+            logprobs = merged
+        choice: dict[str, Any] = {"index": index, "text": prompt + (text if shown else ""),
+                  "logprobs": logprobs, "finish_reason": finish_reason,
+                  "stop_reason": c.stop_reason if finish_reason else None}
+        if self.req.prompt_logprobs is not None and first:
+            choice["prompt_logprobs"] = prompt_logprobs_json(self.prompt_logprobs[p])
         return choice
 
     # ---- streaming ---------------------------------------------------------------------
@@ -257,6 +340,12 @@ class Job:
                         continue
                 out.append(sse(self._chunk([self._choice(index, c, c.text, finish,
                                                          delta=delta)])))
+            elif self.echo is not None or self.req.prompt_logprobs is not None:
+                first = index not in self._started
+                self._started.add(index)
+                if first or finish is not None or not (self.echo and self.echo.hide_output):
+                    out.append(sse(self._chunk([self._choice(
+                        index, c, c.text, finish, text_offset=num_chars, first=first)])))
             elif plain and finish is None and (template := self._template(index)) is not None:
                 out.append(template[0] + _encode_string(c.text).encode() + template[1])
             else:

@@ -39,14 +39,13 @@ MAX_REPETITION_PENALTY = 100.0
 MAX_STOP_STRINGS = 16
 MAX_STOP_TOKEN_IDS = 256
 MAX_BATCH_PROMPTS = 64
-# The SamplingParams fields a body sets under their own names (logprobs and structured
-# outputs are read in the OpenAI shapes; output_kind follows `stream`; prompt_logprobs is
-# not offered over HTTP).
+# The SamplingParams fields a body sets under their own names (logprobs, prompt_logprobs
+# and structured outputs are read apart; output_kind follows `stream`).
 _SAMPLING_FIELDS = set(SAMPLING_FIELDS) - {"logprobs", "prompt_logprobs", "structured_outputs",
                                            "output_kind"}
 _COMMON_FIELDS = _SAMPLING_FIELDS | STRUCTURED_FIELDS | UNSUPPORTED_FIELDS | {
     "model", "stream", "stream_options", "priority", "user", "logprobs", "best_of",
-    "logit_bias", "metadata", "store", "service_tier"}
+    "logit_bias", "metadata", "store", "service_tier", "prompt_logprobs"}
 COMPLETION_FIELDS = _COMMON_FIELDS | {"prompt", "echo", "suffix"}
 CHAT_FIELDS = _COMMON_FIELDS | TOOL_FIELDS | {
     "messages", "top_logprobs", "max_completion_tokens", "chat_template_kwargs",
@@ -176,6 +175,9 @@ class ParsedRequest:
     max_tokens: int | None  # None: fill the context (chat) or the completions default
     default_max_tokens: int | None
     logprobs: int | None  # top-k logprobs per token; None: off
+    prompt_logprobs: int | None = None  # vLLM's: top-k per prompt token; None: off
+    echo: bool = False  # completions: the prompt before each choice's text
+    echo_only: bool = False  # echo with max_tokens 0: the prompt alone (scoring)
     prompts: list = dataclasses.field(default_factory=list)  # completions: str | list[int]
     messages: list | None = None
     template_kwargs: dict = dataclasses.field(default_factory=dict)
@@ -213,8 +215,6 @@ def _read_sampling(body: dict, vocab_size: int, defaults: dict) -> dict:
 
 
 def _reject_unsupported(body: dict, n: int) -> None:
-    if read_bool(body, "echo", False):
-        raise bad("echo", "echo=true is not supported")
     if body.get("suffix") is not None:
         raise bad("suffix", "suffix is not supported")
     if body.get("logit_bias"):
@@ -241,6 +241,7 @@ def _read_common(body: dict, known: set[str], vocab_size: int,
         include_usage=read_bool(options, "include_usage", False),
         priority=read_int(body, "priority", 0, -INT32_MAX - 1, INT32_MAX),
         sampling=sampling, max_tokens=None, default_max_tokens=None, logprobs=None,
+        prompt_logprobs=read_int(body, "prompt_logprobs", None, 0, MAX_LOGPROBS),
         structured=structured, structured_field=field,
         unknown_fields=sorted(k for k in body if k not in known))
 
@@ -249,9 +250,17 @@ def parse_completion(body: dict, vocab_size: int, defaults: dict | None = None) 
     """`defaults`: sampling defaults from the model's generation config."""
     req = _read_common(body, COMPLETION_FIELDS, vocab_size, defaults)
     read_str(body, "user", None)
-    req.max_tokens = read_int(body, "max_tokens", None, 1, INT32_MAX)
+    req.echo = read_bool(body, "echo", False)
+    # max_tokens 0 only with echo: the prompt's logprobs alone (one token is generated
+    # and not shown, as the engine makes at least one)
+    req.max_tokens = read_int(body, "max_tokens", None, 0 if req.echo else 1, INT32_MAX)
+    req.echo_only = req.max_tokens == 0
+    if req.echo_only:
+        req.max_tokens = 1
     req.default_max_tokens = 16  # OpenAI's completions default
     req.logprobs = read_int(body, "logprobs", None, 0, MAX_LOGPROBS)
+    if req.echo and req.logprobs is not None:  # the prompt's tokens get logprobs too
+        req.prompt_logprobs = max(req.prompt_logprobs or 0, req.logprobs)
     req.prompts = _read_prompts(body.get("prompt"), vocab_size)
     return req
 
@@ -328,6 +337,7 @@ def sampling_params(req: ParsedRequest, num_prompt_tokens: int, max_model_len: i
         # cost does not grow with its length); a whole response only its final one.
         kind = RequestOutputKind.DELTA if req.stream else RequestOutputKind.FINAL_ONLY
         return SamplingParams(**req.sampling, max_tokens=max_tokens, logprobs=req.logprobs,
+                              prompt_logprobs=req.prompt_logprobs,
                               structured_outputs=req.structured, output_kind=kind)
     except ValueError as exc:
         raise bad(str(exc).split()[0], str(exc)) from None

@@ -117,7 +117,8 @@ def run(args, engine_kwargs: dict) -> int:
                           chat_template=args.chat_template,
                           default_chat_template_kwargs=args.default_chat_template_kwargs,
                           allowed_origins=http_policy.parse_origins(args.allowed_origins),
-                          metrics_prefix=args.metrics_prefix)
+                          metrics_prefix=args.metrics_prefix,
+                          enable_tokenizer_info_endpoint=args.enable_tokenizer_info_endpoint)
     started = time.perf_counter()
     llm = start_engine(args, engine_kwargs)
     print(startup_report(llm, time.perf_counter() - started), flush=True)

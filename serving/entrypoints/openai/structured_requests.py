@@ -24,7 +24,7 @@ _UNSET = object()
 _VLLM_UNSUPPORTED = {
     "use_beam_search": False, "length_penalty": 1.0, "watermarking": _UNSET,
     "spaces_between_special_tokens": True, "truncate_prompt_tokens": _UNSET,
-    "truncation_side": _UNSET, "prompt_logprobs": _UNSET, "logprob_token_ids": _UNSET,
+    "truncation_side": _UNSET, "logprob_token_ids": _UNSET,
     "allowed_token_ids": _UNSET, "bad_words": _UNSET, "return_tokens_as_token_ids": False,
     "return_token_ids": False, "return_prompt_text": False, "cache_salt": _UNSET,
     "kv_transfer_params": _UNSET, "ec_transfer_params": _UNSET, "vllm_xargs": _UNSET,
