@@ -142,3 +142,17 @@ def test_structured_outputs_under_tensor_parallelism():
                                                               params)])
     assert texts[0] == texts[1]
     assert all(re.fullmatch("[0-9]{2,6}( [a-z]+)?", t) for t in texts[0])
+
+
+def test_prompt_logprobs_under_tp_x_ep_match_single_device(ckpt, prompts):
+    # the scored prompt rows' lm head and log-softmax over the sharded weights
+    params = SamplingParams(temperature=0, max_tokens=2, prompt_logprobs=2)
+    one = LLM(ckpt, compilation_cache_dir=None, **ARGS).generate(prompts, params)
+    many = LLM(ckpt, compilation_cache_dir=None, **ARGS, **LAYOUTS["tp2_ep4"]).generate(
+        prompts, params)
+    for a, b in zip(one, many):
+        assert len(b.prompt_logprobs) == len(a.prompt_token_ids)
+        for x, y in zip(a.prompt_logprobs[1:], b.prompt_logprobs[1:]):
+            assert x.keys() == y.keys()
+            for token in x:
+                assert abs(x[token].logprob - y[token].logprob) < 1e-4
