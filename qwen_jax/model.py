@@ -136,12 +136,8 @@ class Qwen3ForCausalLM(nnx.Module):
                 kv_caches: KVCache, meta: AttentionMetadata
                 ) -> tuple[Float[Array, "T D"], KVCache]:
         """token_ids, positions: int32[T] -> (final hidden [T, D], updated caches)."""
-        cfg = self.config
         x = self.embed_tokens[...][token_ids]  # [T, D]
-        ctx = step_context(meta, positions, (self.rope_inv_freq[...], self.rope_scale),
-                           dtype=self.dtype, num_q_heads=cfg.num_attention_heads,
-                           num_kv_heads=self.num_cache_kv_heads, head_dim=cfg.head_dim,
-                           rt=self.runtime)
+        ctx = self.step_context(meta, positions)
         if self.aux_layers:
             x, new_caches, aux = self._forward_capturing(x, kv_caches, ctx)
             flat = kv_caches[-1][0].reshape(-1, aux.shape[-1])  # [P * L, A]
@@ -152,6 +148,14 @@ class Qwen3ForCausalLM(nnx.Module):
             x, kv = run_segment(stack, x, kv, ctx, self.runtime)
             new_caches.append(kv)
         return self.norm(x), new_caches
+
+    def step_context(self, meta: AttentionMetadata, positions) -> StepContext:
+        """What every layer of a step over `positions` shares (RoPE tables, the attention plan)."""
+        cfg = self.config
+        return step_context(meta, positions, (self.rope_inv_freq[...], self.rope_scale),
+                            dtype=self.dtype, num_q_heads=cfg.num_attention_heads,
+                            num_kv_heads=self.num_cache_kv_heads, head_dim=cfg.head_dim,
+                            rt=self.runtime)
 
     def _forward_capturing(self, x, kv_caches: KVCache, ctx: StepContext):
         """The layers, keeping the hidden states entering `aux_layers` (EAGLE-3's input):
@@ -176,12 +180,8 @@ class Qwen3ForCausalLM(nnx.Module):
         batch, seq_len = input_ids.shape
         meta, num_pages = contiguous_metadata(batch, seq_len, page_size)
         positions = jnp.tile(jnp.arange(seq_len, dtype=jnp.int32), batch)
-        cfg = self.config
         x = self.embed_tokens[...][input_ids.reshape(-1)]
-        ctx = step_context(meta, positions, (self.rope_inv_freq[...], self.rope_scale),
-                           dtype=self.dtype, num_q_heads=cfg.num_attention_heads,
-                           num_kv_heads=self.num_cache_kv_heads, head_dim=cfg.head_dim,
-                           rt=self.runtime)
+        ctx = self.step_context(meta, positions)
         caches = self.init_kv_caches(num_pages, page_size)
         x, _, aux = self._forward_capturing(x, caches, ctx)
         logits = self.compute_logits(self.norm(x))

@@ -26,7 +26,7 @@ from serving.engine import stats as engine_stats
 from serving.engine.config import EngineConfig
 from serving.engine.generation_config import sampling_defaults
 from serving.engine.output_processor import OutputProcessor, ParentState, SeqState, stream_due
-from serving.engine.prompt_scoring import initial_entries, record, score_rows
+from serving.engine.prompt_scoring import PromptScoring, initial_entries, record
 from serving.engine.speculation import Speculator
 from serving.engine.step_records import (
     Flight,
@@ -90,6 +90,7 @@ class LLMEngine:
         # so steps run serially while there is one): counted, not scanned for
         self._num_guided = 0
         self._parents: dict[str, ParentState] = {}
+        self._scoring = PromptScoring()  # requests whose prompt logprobs are not all in
         self.compile_seconds = 0.0
         self.last_step: dict = {}
         self._in_flight: Flight | None = None  # dispatched, tokens not read yet
@@ -164,6 +165,7 @@ class LLMEngine:
         self._parents[request_id] = ParentState(
             request_id, text, ids, children, kind != RequestOutputKind.FINAL_ONLY, prompt_lps,
             delta=kind == RequestOutputKind.DELTA, num_prompt_logprobs=params.prompt_logprobs or 0)
+        self._scoring.watch(self._parents[request_id])
 
     def _guide(self, params: SamplingParams, prompt_ids: list[int]) -> Guide | None:
         """The grammar guide of a request with structured outputs, else None."""
@@ -280,7 +282,7 @@ class LLMEngine:
             None if masks is None else masks.result())
         if distributed.is_multiprocess():
             distributed.publish_step(batch, sampling)
-        score, claims = score_rows(out, batch, self._parent_of, buckets[0])
+        score, claims = self._scoring.rows(out, batch, buckets[0])
         started = time.perf_counter()
         pending = self.runner.dispatch(batch, sampling,
                                        None if previous is None else previous.pending, score)
@@ -306,10 +308,6 @@ class LLMEngine:
                           "num_admitted": out.num_admitted, "shape": step_shape(batch)}
         record(flight.claims, result.prompt_logprobs, self.output_processor)
         return self._process_tokens(out, result)
-
-    def _parent_of(self, request_id: str) -> ParentState | None:
-        seq = self._seqs.get(request_id)
-        return None if seq is None else self._parents.get(seq.parent_id)
 
     def _process_tokens(self, out, result) -> list[RequestOutput]:
         """Take each sampled token off the pending count, append it, check stops and

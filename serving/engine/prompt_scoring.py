@@ -15,7 +15,7 @@ sample's first token is out, the output that hands them over).
 
 from __future__ import annotations
 
-from collections.abc import Callable, Sequence
+from collections.abc import Sequence
 
 import numpy as np
 
@@ -38,33 +38,50 @@ def initial_entries(num_logprobs: int | None) -> list | None:
     return [None]
 
 
-def score_rows(out: SchedulerOutput, batch: ModelInputs,
-               parent_of: Callable[[str], ParentState | None],
-               token_buckets: Sequence[int]) -> tuple[np.ndarray | None, list[Claim]]:
-    """The step's rows to score, int32[2, R] (row, the prompt token after it; padded to a
-    token bucket), and what they belong to; (None, []) for a step without any."""
-    rows: list[int] = []
-    targets: list[int] = []
-    claims: list[Claim] = []
-    for i, scheduled in enumerate(out.scheduled):
-        parent = parent_of(scheduled.request.request_id)
-        if parent is None or parent.prompt_logprobs is None:
-            continue
-        ids = parent.prompt_token_ids
-        start, done = scheduled.start, parent.prompt_scored
-        end = min(start + scheduled.num_new_tokens, len(ids) - 1)
-        if start > done or end <= done:  # a gap before it, or nothing new
-            continue
-        first_row = int(batch.query_start[i]) + done - start
-        rows.extend(range(first_row, first_row + end - done))
-        targets.extend(ids[done + 1:end + 1])
-        claims.append((parent, done, end - done))
-        parent.prompt_scored = end
-    if not rows:
-        return None, []
-    padded = np.zeros((2, pick_bucket(len(rows), token_buckets)), np.int32)
-    padded[0, :len(rows)], padded[1, :len(rows)] = rows, targets
-    return padded, claims
+class PromptScoring:
+    """The requests whose prompt is not all scored yet: a step costs nothing here unless
+    some request still has positions to score (each step drops the finished ones)."""
+
+    def __init__(self) -> None:
+        self.pending: dict[str, ParentState] = {}  # request id -> it
+
+    def watch(self, parent: ParentState) -> None:
+        if parent.prompt_logprobs is not None and len(parent.prompt_token_ids) > 1:
+            self.pending[parent.request_id] = parent
+
+    def rows(self, out: SchedulerOutput, batch: ModelInputs, token_buckets: Sequence[int]
+             ) -> tuple[np.ndarray | None, list[Claim]]:
+        """The step's rows to score, int32[2, R] (row, the prompt token after it; padded
+        to a token bucket), and what they belong to; (None, []) for a step without any."""
+        if not self.pending:
+            return None, []
+        owners = {seq.request.request_id: parent for parent in self.pending.values()
+                  for seq in parent.children}
+        rows: list[int] = []
+        targets: list[int] = []
+        claims: list[Claim] = []
+        for i, scheduled in enumerate(out.scheduled):
+            parent = owners.get(scheduled.request.request_id)
+            if parent is None:
+                continue
+            ids = parent.prompt_token_ids
+            start, done = scheduled.start, parent.prompt_scored
+            end = min(start + scheduled.num_new_tokens, len(ids) - 1)
+            if start > done or end <= done:  # a gap before it, or nothing new
+                continue
+            first_row = int(batch.query_start[i]) + done - start
+            rows.extend(range(first_row, first_row + end - done))
+            targets.extend(ids[done + 1:end + 1])
+            claims.append((parent, done, end - done))
+            parent.prompt_scored = end
+        for request_id, parent in list(self.pending.items()):
+            if parent.finished or parent.prompt_scored >= len(parent.prompt_token_ids) - 1:
+                del self.pending[request_id]
+        if not rows:
+            return None, []
+        padded = np.zeros((2, pick_bucket(len(rows), token_buckets)), np.int32)
+        padded[0, :len(rows)], padded[1, :len(rows)] = rows, targets
+        return padded, claims
 
 
 def record(claims: list[Claim], scored: TokenLogprobs | None,
@@ -75,11 +92,11 @@ def record(claims: list[Claim], scored: TokenLogprobs | None,
     offset = 0
     for parent, first, count in claims:
         entries, ids = parent.prompt_logprobs, parent.prompt_token_ids
-        for j in range(count):
-            if entries is not None:  # (None once handed over)
-                entries.append(processor.logprob_entry(ids[first + 1 + j], scored, offset + j,
-                                                       parent.num_prompt_logprobs))
+        if entries is not None:  # (None once handed over)
+            entries.extend(processor.logprob_entry(ids[first + 1 + j], scored, offset + j,
+                                                   parent.num_prompt_logprobs)
+                           for j in range(count))
         offset += count
 
 
-__all__ = ["initial_entries", "record", "score_rows"]
+__all__ = ["PromptScoring", "initial_entries", "record"]

@@ -15,23 +15,16 @@ import pytest
 from qwen_jax import tasks
 from qwen_jax.weights import DEFAULT_MODEL_DIR
 from serving.bench.eval_tasks import chat_template, render_prompts
-from tests.server.conftest import ServerThread
+from tests.server.conftest import EMBEDDED_MODEL, serve_embedded_model
 
-MODEL = "tiny-qwen3-moe"
+MODEL = EMBEDDED_MODEL
 EMPTY_THINK = "<think>\n\n</think>\n\n"
-ENGINE = dict(max_num_seqs=4, max_num_batched_tokens=128, max_model_len=512,
-              token_buckets=[8, 128], seq_buckets=[4], show_progress=False)
 
 
 @pytest.fixture(scope="module")
 def server_url(tmp_path_factory):
-    from serving.engine.async_llm import AsyncLLM
-    llm = AsyncLLM(str(DEFAULT_MODEL_DIR),
-                   compilation_cache_dir=str(tmp_path_factory.mktemp("xla")), **ENGINE)
-    srv = ServerThread(llm, served_model_name=MODEL).start()
-    yield srv.url
-    srv.stop()
-    llm.shutdown()
+    with serve_embedded_model(tmp_path_factory.mktemp("xla")) as srv:
+        yield srv.url
 
 
 def _distractors(problem) -> list[str]:

@@ -13,25 +13,17 @@ import openai
 import pytest
 
 from qwen_jax.tool_task import ADD_TOOL
-from tests.server.conftest import ServerThread
+from tests.server.conftest import EMBEDDED_MODEL, serve_embedded_model
 
-MODEL = "tiny-qwen3-moe"
+MODEL = EMBEDDED_MODEL
 ADD = {"type": "function", **ADD_TOOL["function"]}  # the Responses API's tool shape
-ENGINE = dict(max_num_seqs=4, max_num_batched_tokens=128, max_model_len=512,
-              token_buckets=[8, 128], seq_buckets=[4], show_progress=False)
 
 
 @pytest.fixture(scope="module")
 def responses_server(tmp_path_factory):
-    from qwen_jax.weights import DEFAULT_MODEL_DIR
-    from serving.engine.async_llm import AsyncLLM
-    llm = AsyncLLM(str(DEFAULT_MODEL_DIR),
-                   compilation_cache_dir=str(tmp_path_factory.mktemp("xla")), **ENGINE)
-    srv = ServerThread(llm, served_model_name=MODEL, tool_call_parser="hermes",
-                       enable_auto_tool_choice=True, reasoning_parser="qwen3").start()
-    yield srv
-    srv.stop()
-    llm.shutdown()
+    with serve_embedded_model(tmp_path_factory.mktemp("xla"), tool_call_parser="hermes",
+                              enable_auto_tool_choice=True, reasoning_parser="qwen3") as srv:
+        yield srv
 
 
 @pytest.fixture

@@ -11,7 +11,7 @@ import openai
 import pytest
 
 from qwen_jax.tool_task import ADD_TOOL
-from tests.server.conftest import ServerThread
+from tests.server.conftest import EMBEDDED_ENGINE, ServerThread
 
 ASK = [{"role": "user", "content": "Use the tool to add 385 and 47."}]
 CALL = '{"a": 385, "b": 47}'
@@ -19,8 +19,7 @@ CALL = '{"a": 385, "b": 47}'
 
 # One engine shape for the server's engine and the offline LLM: the second one's steps
 # come from the persistent compilation cache the first one filled.
-ENGINE = dict(max_num_seqs=4, max_num_batched_tokens=128, max_model_len=512,
-              token_buckets=[8, 128], seq_buckets=[4], show_progress=False)
+ENGINE = EMBEDDED_ENGINE
 
 
 @pytest.fixture(scope="module")

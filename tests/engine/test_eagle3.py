@@ -133,15 +133,6 @@ def test_the_embedded_model_drafts_with_its_shipped_head():
     assert stats["num_used_pages"] == 0
 
 
-def test_an_eagle3_head_is_needed_for_another_target(tmp_path):
-    from tests.helpers.hf import save_hf_model
-    save_hf_model(tmp_path, moe=False, vocab_size=96, seed=1)
-    with pytest.raises(ValueError, match="speculative_config.model must be the EAGLE-3 head's "
-                                         "directory"):
-        LLM(model=str(tmp_path), precompile=False, show_progress=False,
-            speculative_config={"method": "eagle3", "num_speculative_tokens": 2})
-
-
 def test_sampled_requests_with_eagle3_equal_the_plain_engine():
     prompts = _prompts(("reverse", "add"), 2)
     params = [SamplingParams(temperature=0.7, top_k=10, seed=seed, max_tokens=40,

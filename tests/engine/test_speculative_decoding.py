@@ -258,13 +258,15 @@ def test_the_embedded_model_drafts_with_its_shipped_draft_model(plain_llm, plain
     assert llm.stats()["spec_decode_mean_acceptance_length"] > 2.5
 
 
-def test_a_draft_model_is_needed_for_another_target(tmp_path):
+@pytest.mark.parametrize("method, what", [("draft_model", "the draft model"),
+                                          ("eagle3", "the EAGLE-3 head")])
+def test_a_draft_model_is_needed_for_another_target(tmp_path, method, what):
     from tests.helpers.hf import save_hf_model
     save_hf_model(tmp_path, moe=False, vocab_size=96, seed=1)
-    with pytest.raises(ValueError, match="speculative_config.model must be the draft model's "
+    with pytest.raises(ValueError, match=f"speculative_config.model must be {what}'s "
                                          "directory"):
         LLM(model=str(tmp_path), precompile=False, show_progress=False,
-            speculative_config={"method": "draft_model", "num_speculative_tokens": 2})
+            speculative_config={"method": method, "num_speculative_tokens": 2})
 
 
 def test_a_draft_model_of_another_vocabulary_is_refused_at_start(tmp_path):

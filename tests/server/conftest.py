@@ -126,6 +126,27 @@ class ServerThread:
         self._thread.join(10)
 
 
+# The embedded tiny model (qwen_jax/assets) as the end-to-end tests serve it
+EMBEDDED_MODEL = "tiny-qwen3-moe"
+EMBEDDED_ENGINE = dict(max_num_seqs=4, max_num_batched_tokens=128, max_model_len=512,
+                       token_buckets=[8, 128], seq_buckets=[4], show_progress=False)
+
+
+@contextlib.contextmanager
+def serve_embedded_model(compilation_cache_dir, **server_kwargs):
+    """The embedded model's engine (AsyncLLM) behind a ServerThread, shut down after."""
+    from qwen_jax.weights import DEFAULT_MODEL_DIR
+    from serving.engine.async_llm import AsyncLLM
+    llm = AsyncLLM(str(DEFAULT_MODEL_DIR), compilation_cache_dir=str(compilation_cache_dir),
+                   **EMBEDDED_ENGINE)
+    srv = ServerThread(llm, served_model_name=EMBEDDED_MODEL, **server_kwargs).start()
+    try:
+        yield srv
+    finally:
+        srv.stop()
+        llm.shutdown()
+
+
 @pytest.fixture(scope="module")
 def server(shared_llm):
     srv = ServerThread(shared_llm, served_model_name="tiny").start()
