@@ -26,6 +26,7 @@ import jax
 from pallas_kernels.grouped_matmul import grouped_matmul, grouped_matmul_reference
 from pallas_kernels.grouped_matmul.mosaic import grouped_matmul_mosaic
 from pallas_kernels.kv_write import write_kv_pages
+from pallas_kernels.lora import lora_matmul, lora_matmul_reference
 from pallas_kernels.ragged_paged_attention import (
     plan_attention,
     plan_attention_reference,
@@ -50,6 +51,7 @@ class Ops:
     grouped_matmul: Callable
     stacked_matmul: Callable
     write_kv_pages: Callable
+    lora_matmul: Callable
 
 
 def default_impl(backend=None):
@@ -65,16 +67,19 @@ def ops(impl=None):
     if impl == "pallas":
         return Ops(impl=impl, ragged_paged_attention=ragged_paged_attention,
                    plan_attention=plan_attention, grouped_matmul=grouped_matmul,
-                   stacked_matmul=stacked_matmul, write_kv_pages=write_kv_pages)
+                   stacked_matmul=stacked_matmul, write_kv_pages=write_kv_pages,
+                   lora_matmul=functools.partial(lora_matmul, gmm=grouped_matmul))
     if impl == "mosaic":
         return Ops(impl=impl, ragged_paged_attention=ragged_paged_attention_mosaic,
                    plan_attention=plan_attention_mosaic, grouped_matmul=grouped_matmul_mosaic,
-                   stacked_matmul=stacked_matmul, write_kv_pages=write_kv_pages)
+                   stacked_matmul=stacked_matmul, write_kv_pages=write_kv_pages,
+                   lora_matmul=functools.partial(lora_matmul, gmm=grouped_matmul_mosaic))
     if impl == "reference":
         return Ops(impl=impl, ragged_paged_attention=ragged_paged_attention_reference,
                    plan_attention=plan_attention_reference,
                    grouped_matmul=grouped_matmul_reference,
-                   stacked_matmul=stacked_matmul_reference, write_kv_pages=write_kv_pages)
+                   stacked_matmul=stacked_matmul_reference, write_kv_pages=write_kv_pages,
+                   lora_matmul=lora_matmul_reference)
     raise ValueError(f"impl is {impl!r}, expected one of {IMPLS}")
 
 
@@ -86,4 +91,5 @@ def interpreted(kernels: Ops) -> Ops:
     run = lambda fn: functools.partial(fn, interpret=True)
     return dataclasses.replace(
         kernels, ragged_paged_attention=run(kernels.ragged_paged_attention),
-        grouped_matmul=run(kernels.grouped_matmul), stacked_matmul=run(kernels.stacked_matmul))
+        grouped_matmul=run(kernels.grouped_matmul), stacked_matmul=run(kernels.stacked_matmul),
+        lora_matmul=run(kernels.lora_matmul))

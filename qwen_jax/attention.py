@@ -21,6 +21,7 @@ from jax.sharding import PartitionSpec as P
 import pallas_kernels
 from pallas_kernels.array_types import Array, Int
 from qwen_jax.layers import Linear, RMSNorm, Runtime, no_quant, rms_normalize, rope_tables, rotate
+from qwen_jax.lora_layers import add_lora, token_groups
 from qwen_jax.sharding import kv_replication
 
 # KV page dtypes stored quantised; they are read and written with per-kv-head scales.
@@ -56,19 +57,25 @@ class StepContext:
     cos: jax.Array        # [T, 1, H] RoPE tables in the model dtype
     sin: jax.Array
     valid: jax.Array      # bool[T] real tokens
+    lora: Any = None      # LoRAGroups of the tokens by adapter slot; None: no LoRA
 
 
 def step_context(meta: AttentionMetadata, positions, rope, *, dtype, num_q_heads,
-                 num_kv_heads, head_dim, rt: Runtime) -> StepContext:
-    """rope: (inv_freq [H/2], scale). num_kv_heads: the cache's heads (K')."""
+                 num_kv_heads, head_dim, rt: Runtime, lora_slots=None,
+                 num_lora_slots: int = 0) -> StepContext:
+    """rope: (inv_freq [H/2], scale). num_kv_heads: the cache's heads (K').
+    lora_slots: int32[T] each token's adapter slot (0: none), with `num_lora_slots`
+    buffers; None (or no buffers): no LoRA in this step."""
     num_tokens = positions.shape[0]
     plan = rt.kernels.plan_attention(
         meta.query_start, meta.kv_lens, meta.num_seqs, num_tokens=num_tokens,
         num_q_heads=num_q_heads, num_kv_heads=num_kv_heads, head_dim=head_dim)
     inv_freq, scale = rope
     cos, sin = rope_tables(positions, inv_freq, scale, dtype)
-    return StepContext(meta=meta, plan=plan, cos=cos, sin=sin,
-                       valid=meta.valid_tokens(num_tokens))
+    valid = meta.valid_tokens(num_tokens)
+    lora = (None if lora_slots is None or not num_lora_slots
+            else token_groups(lora_slots, valid, num_lora_slots))
+    return StepContext(meta=meta, plan=plan, cos=cos, sin=sin, valid=valid, lora=lora)
 
 
 def matmul_op(rt: Runtime):
@@ -142,6 +149,7 @@ class Attention(nnx.Module):
         n, k, h = self.num_heads, self.num_kv_heads, self.head_dim
         projs = (self.q_proj, self.k_proj, self.v_proj)
         qkv = matmul_op(rt)(x, tuple(p.weight() for p in projs), layer)   # [T, (N+2K)H]
+        qkv = add_lora(qkv, x, self, "lora_qkv", layer, ctx.lora, rt)
         if self.q_proj.bias is not None:
             qkv = qkv + jnp.concatenate([p.bias[...] for p in projs])
         # q_norm and k_norm in one pass: each head is normalised over H on its own.
@@ -157,7 +165,9 @@ class Attention(nnx.Module):
             k_new, v = jnp.repeat(k_new, copies, axis=1), jnp.repeat(v, copies, axis=1)
         out, kv_cache = paged_attention(q, k_new, v, kv_cache, ctx, page_offset, h ** -0.5,
                                         rt)                                # [T, N, H]
-        out = matmul_op(rt)(out.reshape(num_tokens, n * h), (self.o_proj.weight(),), layer)
+        out = out.reshape(num_tokens, n * h)
+        out = add_lora(matmul_op(rt)(out, (self.o_proj.weight(),), layer), out, self,
+                       "lora_o", layer, ctx.lora, rt)
         if self.o_proj.bias is not None:
             out = out + self.o_proj.bias[...]
         return out, kv_cache

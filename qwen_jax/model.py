@@ -11,7 +11,7 @@ from flax import nnx
 
 import pallas_kernels
 from pallas_kernels.array_types import Array, Float, Int
-from qwen_jax import sharding, weights
+from qwen_jax import lora_layers, sharding, weights
 from qwen_jax.attention import Attention, AttentionMetadata, StepContext, step_context
 from qwen_jax.config import ModelConfig
 from qwen_jax.layers import RMSNorm, Runtime, init_param, no_quant
@@ -40,7 +40,7 @@ class DecoderLayer(nnx.Module):
         attn_out, kv_cache = self.self_attn(self.input_layernorm(x), kv_cache, ctx, layer,
                                             page_offset, rt)
         x = x + attn_out
-        x = x + self.mlp(self.post_attention_layernorm(x), ctx.valid, rt, layer)
+        x = x + self.mlp(self.post_attention_layernorm(x), ctx.valid, rt, layer, lora=ctx.lora)
         return x, kv_cache
 
 
@@ -125,6 +125,8 @@ class Qwen3ForCausalLM(nnx.Module):
         # Layers whose input hidden states the step keeps for an EAGLE-3 head (set by the
         # engine before its caches are built), in the KV caches' last entry, by slot.
         self.aux_layers: tuple[int, ...] = ()
+        # LoRA adapter buffers (qwen_jax/lora_layers.py): none until `enable_lora`.
+        self.lora_slots, self.lora_rank = 0, 0
 
     @property
     def dtype(self):
@@ -133,11 +135,13 @@ class Qwen3ForCausalLM(nnx.Module):
     # ---- serving path ------------------------------------------------------------------
     def forward(self, token_ids: Int[Array | np.ndarray, " T"],
                 positions: Int[Array | np.ndarray, " T"],
-                kv_caches: KVCache, meta: AttentionMetadata
+                kv_caches: KVCache, meta: AttentionMetadata,
+                lora_slots: Int[Array | np.ndarray, " T"] | None = None
                 ) -> tuple[Float[Array, "T D"], KVCache]:
-        """token_ids, positions: int32[T] -> (final hidden [T, D], updated caches)."""
+        """token_ids, positions: int32[T] -> (final hidden [T, D], updated caches).
+        lora_slots: int32[T] each token's adapter slot (0: none; see `enable_lora`)."""
         x = self.embed_tokens[...][token_ids]  # [T, D]
-        ctx = self.step_context(meta, positions)
+        ctx = self.step_context(meta, positions, lora_slots)
         if self.aux_layers:
             x, new_caches, aux = self._forward_capturing(x, kv_caches, ctx)
             flat = kv_caches[-1][0].reshape(-1, aux.shape[-1])  # [P * L, A]
@@ -149,13 +153,20 @@ class Qwen3ForCausalLM(nnx.Module):
             new_caches.append(kv)
         return self.norm(x), new_caches
 
-    def step_context(self, meta: AttentionMetadata, positions) -> StepContext:
-        """What every layer of a step over `positions` shares (RoPE tables, the attention plan)."""
+    def step_context(self, meta: AttentionMetadata, positions, lora_slots=None) -> StepContext:
+        """What every layer of a step over `positions` shares (RoPE tables, the attention
+        plan, the tokens grouped by LoRA adapter)."""
         cfg = self.config
         return step_context(meta, positions, (self.rope_inv_freq[...], self.rope_scale),
                             dtype=self.dtype, num_q_heads=cfg.num_attention_heads,
                             num_kv_heads=self.num_cache_kv_heads, head_dim=cfg.head_dim,
-                            rt=self.runtime)
+                            rt=self.runtime, lora_slots=lora_slots,
+                            num_lora_slots=self.lora_slots)
+
+    def enable_lora(self, max_loras: int, max_lora_rank: int) -> None:
+        """Preallocate `max_loras` adapter slots of rank <= `max_lora_rank` in every layer
+        (zeros: slot contents come from qwen_jax/lora.py's `pack_adapter`)."""
+        lora_layers.enable_lora(self, max_loras, max_lora_rank)
 
     def _forward_capturing(self, x, kv_caches: KVCache, ctx: StepContext):
         """The layers, keeping the hidden states entering `aux_layers` (EAGLE-3's input):
@@ -227,14 +238,19 @@ class Qwen3ForCausalLM(nnx.Module):
         return caches
 
     # ---- full-sequence path ------------------------------------------------------------
-    def __call__(self, input_ids: Int[Array | np.ndarray, "B T"], page_size: int = 16
+    def __call__(self, input_ids: Int[Array | np.ndarray, "B T"], page_size: int = 16,
+                 lora_slots: Int[Array | np.ndarray, " B"] | None = None
                  ) -> Float[Array, "B T V"]:
-        """input_ids: int32[B, T] -> float32 logits [B, T, V] (causal, no padding)."""
+        """input_ids: int32[B, T] -> float32 logits [B, T, V] (causal, no padding);
+        lora_slots: each sequence's adapter slot (0: none; see `enable_lora`)."""
         batch, seq_len = input_ids.shape
         meta, num_pages = contiguous_metadata(batch, seq_len, page_size)
         positions = jnp.tile(jnp.arange(seq_len, dtype=jnp.int32), batch)
         caches = self.init_kv_caches(num_pages, page_size)
-        hidden, _ = self.forward(input_ids.reshape(-1).astype(jnp.int32), positions, caches, meta)
+        token_slots = (None if lora_slots is None
+                       else jnp.repeat(jnp.asarray(lora_slots, jnp.int32), seq_len))
+        hidden, _ = self.forward(input_ids.reshape(-1).astype(jnp.int32), positions, caches, meta,
+                                 token_slots)
         return self.compute_logits(hidden).reshape(batch, seq_len, -1)
 
     @classmethod

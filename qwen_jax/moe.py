@@ -7,6 +7,8 @@ the last expert so they never count in the group sizes and cost nothing in the m
 
 from __future__ import annotations
 
+import functools
+
 import jax
 import jax.numpy as jnp
 from flax import nnx
@@ -14,9 +16,11 @@ from jax.sharding import PartitionSpec as P
 
 import pallas_kernels
 from pallas_kernels.grouped_matmul import tuning as gmm_tuning
+from pallas_kernels.lora import LoRAGroups
 from pallas_kernels.quantized import at, dequantize, merge_pair
 from qwen_jax.attention import matmul_op
 from qwen_jax.layers import Linear, Runtime, init_param, init_weight, no_quant, stored_weight
+from qwen_jax.lora_layers import ExpertLoRA, add_lora
 from qwen_jax.sharding import weight_specs
 
 
@@ -59,19 +63,25 @@ def dispatch(flat_ids: jax.Array, num_experts: int):
 GATHER_LIMIT_BYTES = 1 << 26
 
 
-def experts_gathered(x, ids, gate_up, down, top_k):
+def experts_gathered(x, ids, gate_up, down, top_k, lora_rows=None):
     """Reference path for small batches: each (token, slot) pair reads its own expert's
     weights. x: [T, D]; ids: int32[T, k] local expert ids; gate_up: [E, D, 2F]; down:
-    [E, F, D] (arrays or QuantizedWeights, dequantised per pair) -> [T, k, D]."""
+    [E, F, D] (arrays or QuantizedWeights, dequantised per pair) -> [T, k, D].
+    lora_rows: the LoRA updates of rows of pairs (`ExpertLoRA.hook`), or None."""
     flat = ids.reshape(-1)  # [M]
     x_pairs = jnp.repeat(x, top_k, axis=0)  # [M, D]
     hi = jax.lax.Precision.HIGHEST
     h = jnp.einsum("md,mdn->mn", x_pairs, dequantize(at(gate_up, flat), x.dtype),
                    precision=hi, preferred_element_type=jnp.float32)  # [M, 2F]
+    delta = None if lora_rows is None else lora_rows(jnp.arange(flat.shape[0], dtype=jnp.int32))
+    if delta is not None:
+        h = h + delta("gate_up", x_pairs)
     ffn = h.shape[-1] // 2
     act = (jax.nn.silu(h[:, :ffn]) * h[:, ffn:]).astype(x.dtype)  # [M, F]
     y = jnp.einsum("mf,mfd->md", act, dequantize(at(down, flat), x.dtype), precision=hi,
                    preferred_element_type=jnp.float32).astype(x.dtype)  # [M, D]
+    if delta is not None:
+        y = y + delta("down", act)
     return y.reshape(x.shape[0], top_k, -1)
 
 
@@ -80,12 +90,12 @@ def block_rows(num_pairs: int, num_experts: int) -> int:
     return max(4, min(64, num_pairs // (2 * num_experts)))
 
 
-def experts_blocked(x, ids, gate_up, down, top_k):
+def experts_blocked(x, ids, gate_up, down, top_k, lora_rows=None):
     """Reference path for mid-size batches: pairs sorted by expert into blocks of B rows
     (a block holds one expert's pairs), one weight read per block, batched matmuls.
     Gathers at most M / B + E experts' weights where `experts_gathered` gathers M.
     x: [T, D]; ids: int32[T, k] local expert ids; gate_up: [E, D, 2F]; down: [E, F, D]
-    (arrays or QuantizedWeights) -> [T, k, D]."""
+    (arrays or QuantizedWeights) -> [T, k, D]. lora_rows: as `experts_gathered`."""
     flat = ids.reshape(-1)  # [M]
     num_pairs, num_experts = flat.shape[0], gate_up.shape[0]
     rows = block_rows(num_pairs, num_experts)
@@ -107,37 +117,49 @@ def experts_blocked(x, ids, gate_up, down, top_k):
     hi = jax.lax.Precision.HIGHEST
     h = jnp.einsum("nbd,ndf->nbf", xb, dequantize(at(gate_up, expert), x.dtype),
                    precision=hi, preferred_element_type=jnp.float32)  # [nb, B, 2F]
+    delta = None if lora_rows is None else lora_rows(pair.reshape(-1))
+    if delta is not None:
+        h = h + delta("gate_up", xb.reshape(-1, xb.shape[-1])).reshape(h.shape)
     ffn = h.shape[-1] // 2
     act = (jax.nn.silu(h[..., :ffn]) * h[..., ffn:]).astype(x.dtype)
     y = jnp.einsum("nbf,nfd->nbd", act, dequantize(at(down, expert), x.dtype), precision=hi,
                    preferred_element_type=jnp.float32).astype(x.dtype)  # [nb, B, D]
+    if delta is not None:
+        y = y + delta("down", act.reshape(-1, ffn)).reshape(y.shape)
     out = jnp.zeros((num_pairs, x.shape[-1]), x.dtype).at[pair.reshape(-1)].set(
         y.reshape(-1, x.shape[-1]), mode="drop")
     return out.reshape(x.shape[0], top_k, -1)
 
 
-def experts_sorted(x, flat_ids, gate_up, down, layer, *, top_k, gmm):
+def experts_sorted(x, flat_ids, gate_up, down, layer, *, top_k, gmm, lora_rows=None):
     """Grouped matmuls over the expert-sorted pairs. x: [T, D]; flat_ids: int32[M];
     gate_up: [X, E, D, 2F]; down: [X, E, F, D] (whole stacks, arrays or QuantizedWeights)
     -> [T, k, D].
 
     The gate/up call reads each pair's token row in place (lhs_rows) and the down call
     stores each result at its pair's (token, slot) row (out_rows): no gathered or
-    scattered copies, and one plan for both calls."""
+    scattered copies, and one plan for both calls. lora_rows: as `experts_gathered`; its
+    updates read and land the same way (rows grouped by (adapter, expert) beside)."""
     num_experts, ffn = gate_up.shape[1], down.shape[-2]
     order, plan = dispatch(flat_ids, num_experts)
     h = gmm(x, gate_up, plan=plan, layer=layer, lhs_rows=order // top_k)  # [M, 2F]
+    delta = None if lora_rows is None else lora_rows(order)
+    if delta is not None:
+        h = h + delta("gate_up", x, lhs_rows=order // top_k)
     act = (jax.nn.silu(h[:, :ffn]) * h[:, ffn:]).astype(x.dtype)           # [M, F]
     y = gmm(act, down, plan=plan, layer=layer, out_rows=order)            # [M, D]
+    if delta is not None:
+        y = y + delta("down", act, out_rows=order)
     return y.reshape(x.shape[0], top_k, -1)
 
 
 def moe_local(x, valid, weights, ids, gate_up, down, layer=None, *, first_expert, top_k,
-              gmm, gather_ok=False):
+              gmm, gather_ok=False, lora: ExpertLoRA | None = None, lora_op=None):
     """The experts this device holds (first_expert.. + E_local) over all tokens: pairs
     routed elsewhere sort past the local groups and contribute nothing. gate_up
     [X, E_local, D, 2, F], down [X, E_local, F, D]: whole stacks (arrays or
     QuantizedWeights) read at `layer`, or one layer's [E_local, ...] when layer is None.
+    lora: the experts' adapters (this device's experts and F-slice) with `lora_op`.
     Returns [T, D]."""
     if layer is None:
         gate_up, down, layer = at(gate_up, None), at(down, None), jnp.zeros((), jnp.int32)
@@ -151,13 +173,15 @@ def moe_local(x, valid, weights, ids, gate_up, down, layer=None, *, first_expert
     blocked = num_pairs >= 4 * num_local  # fewer weight reads than one per pair
     num_reads = num_pairs // block_rows(num_pairs, num_local) + num_local if blocked \
         else num_pairs
+    flat = jnp.where(mine, local_ids, num_local).reshape(-1)  # [M]
+    lora_rows = None if lora is None else lora.hook(flat, top_k, layer, lora_op)
     if gather_ok and num_reads * expert_bytes <= GATHER_LIMIT_BYTES:
         experts = experts_blocked if blocked else experts_gathered
         y = experts(x, jnp.where(mine, local_ids, 0), at(gate_up, layer), at(down, layer),
-                    top_k)
+                    top_k, lora_rows)
     else:
-        flat = jnp.where(mine, local_ids, num_local).reshape(-1)  # [M]
-        y = experts_sorted(x, flat, gate_up, down, layer, top_k=top_k, gmm=gmm)
+        y = experts_sorted(x, flat, gate_up, down, layer, top_k=top_k, gmm=gmm,
+                           lora_rows=lora_rows)
     # The weighted sum over the k slots, accumulated in fp32 like a dot.
     out = jnp.sum(y.astype(jnp.float32) * combine.astype(jnp.float32)[..., None], axis=1)
     return out.astype(x.dtype)
@@ -186,33 +210,42 @@ class SparseMoE(nnx.Module):
         init_weight(self, "down_proj", rngs, (*stack, e, f, d), dtype, self.down_quant)
         self.top_k, self.norm_topk_prob = cfg.num_experts_per_tok, cfg.norm_topk_prob
 
-    def __call__(self, x: jax.Array, valid: jax.Array, rt: Runtime, layer) -> jax.Array:
-        """x: [T, D]; valid: bool[T]; layer: int32[] index into the stacks -> [T, D]."""
+    def __call__(self, x: jax.Array, valid: jax.Array, rt: Runtime, layer,
+                 lora: LoRAGroups | None = None) -> jax.Array:
+        """x: [T, D]; valid: bool[T]; layer: int32[] index into the stacks -> [T, D].
+        lora: the tokens' adapter groups (qwen_jax/lora_layers.py), or None."""
         logits = matmul_op(rt)(x, (self.gate[...],), layer, out_dtype=jnp.float32)
         weights, ids = route_logits(logits, self.top_k, self.norm_topk_prob)  # [T, k]
         gmm = rt.kernels.grouped_matmul
         gate_up = stored_weight(self, "gate_up_proj", self.gate_up_quant, pair=True)
         down = stored_weight(self, "down_proj", self.down_quant)
         gather_ok = rt.impl == "reference"
+        adapters = ExpertLoRA.of(self, lora)
+        local = functools.partial(moe_local, top_k=self.top_k, gmm=gmm, gather_ok=gather_ok,
+                                  lora_op=rt.kernels.lora_matmul)
         if rt.mesh is None:
-            return moe_local(x, valid, weights, ids, gate_up, down, layer, first_expert=0,
-                             top_k=self.top_k, gmm=gmm, gather_ok=gather_ok)
+            return local(x, valid, weights, ids, gate_up, down, layer, first_expert=0,
+                         lora=adapters)
 
-        def sharded(x, valid, weights, ids, gate_up, down, layer):
+        def sharded(x, valid, weights, ids, gate_up, down, layer, adapters):
             # Tokens arrive replicated; each device runs its experts' F-slice and the
-            # combine is one psum over both axes (experts and F partial sums).
+            # combine is one psum over both axes (experts and F partial sums; the LoRA
+            # updates are linear in them too).
             first = jax.lax.axis_index("expert") * gate_up.shape[1]
-            y = moe_local(x, valid, weights, ids, gate_up, down, layer, first_expert=first,
-                          top_k=self.top_k, gmm=gmm, gather_ok=gather_ok)
+            y = local(x, valid, weights, ids, gate_up, down, layer, first_expert=first,
+                      lora=adapters)
             return jax.lax.psum(y, ("expert", "model"))
 
         rep = P()
+        adapter_specs = None if adapters is None else adapters.specs("expert", "model")
         return jax.shard_map(
             sharded, mesh=rt.mesh,
             in_specs=(rep, rep, rep, rep,
                       weight_specs(gate_up, P(None, "expert", None, None, "model")),
-                      weight_specs(down, P(None, "expert", "model", None)), rep),
-            out_specs=rep, check_vma=False)(x, valid, weights, ids, gate_up, down, layer)
+                      weight_specs(down, P(None, "expert", "model", None)), rep,
+                      adapter_specs),
+            out_specs=rep, check_vma=False)(x, valid, weights, ids, gate_up, down, layer,
+                                            adapters)
 
 
 class MLP(nnx.Module):
@@ -226,13 +259,17 @@ class MLP(nnx.Module):
         self.up_proj = linear("up_proj", d, f)
         self.down_proj = linear("down_proj", f, d)
 
-    def __call__(self, x: jax.Array, valid: jax.Array, rt: Runtime, layer=None) -> jax.Array:
-        """x: [T, D] -> [T, D]; with `layer`, the params are stacked and read in place."""
+    def __call__(self, x: jax.Array, valid: jax.Array, rt: Runtime, layer=None,
+                 lora: LoRAGroups | None = None) -> jax.Array:
+        """x: [T, D] -> [T, D]; with `layer`, the params are stacked and read in place.
+        lora: the tokens' adapter groups (qwen_jax/lora_layers.py)."""
         del valid
         if layer is None:  # per-layer view (sliced params)
             return self.down_proj(jax.nn.silu(self.gate_proj(x)) * self.up_proj(x))
         matmul = matmul_op(rt)
         ffn = self.gate_proj.kernel.shape[-1]
         h = matmul(x, (self.gate_proj.weight(), self.up_proj.weight()), layer)  # [T, 2F]
-        return matmul(jax.nn.silu(h[:, :ffn]) * h[:, ffn:], (self.down_proj.weight(),),
-                      layer)
+        h = add_lora(h, x, self, "lora_gate_up", layer, lora, rt)
+        act = jax.nn.silu(h[:, :ffn]) * h[:, ffn:]
+        return add_lora(matmul(act, (self.down_proj.weight(),), layer), act, self, "lora_down",
+                        layer, lora, rt)

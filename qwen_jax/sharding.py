@@ -38,6 +38,8 @@ LOGICAL_AXIS_RULES = {
     "router": None,      # E columns of the router (replicated: every device routes)
     "pages": None,       # cache pages (X * P)
     "page_slots": None,  # L
+    "lora_slots": None,  # S adapter slots of a LoRA buffer
+    "lora_rank": None,   # R (times 2 or 3 for fused projections)
 }
 
 # Logical axes of every parameter, by the tail of its path (leading "layers" for stacks).
@@ -65,6 +67,20 @@ _PARAM_AXES = {
     ("mlp", "down_proj"): ("experts", "expert_mlp", "embed"),
 }
 KV_CACHE_AXES = ("pages", "page_slots", "kv_heads", "head_dim")
+
+# LoRA buffers (qwen_jax/lora_layers.py): the experts' shard like their base weights; the
+# others are replicated (dims past the listed axes are too).
+_LORA_AXES = {
+    "lora_experts_gate_up_a": ("experts", "embed", "lora_rank"),
+    "lora_experts_gate_up_b": ("experts", "lora_rank", "gate_up", "expert_mlp"),
+    "lora_experts_down_a": ("experts", "expert_mlp", "lora_rank"),
+    "lora_experts_down_b": ("experts", "lora_rank", "embed"),
+}
+
+
+def lora_logical_axes(name: str) -> tuple:
+    """Logical axes of the stacked LoRA buffer `name` ([X, S, ...])."""
+    return ("layers", "lora_slots", *_LORA_AXES.get(name, ()))
 
 
 @dataclasses.dataclass(frozen=True, kw_only=True)
@@ -161,6 +177,8 @@ def param_logical_axes(path: tuple) -> tuple:
     """Logical axes of the parameter at `path` (an nnx state path); a quantised weight's
     scales and zero points have their weight's axes (their dims count scale groups)."""
     names = tuple(p for p in path if isinstance(p, str))
+    if names[-1].startswith("lora_"):
+        return lora_logical_axes(names[-1])
     names = names[:-1] + (base_name(names[-1]),)
     stacked = names[0] == "segments"
     for n in (2, 1):
