@@ -31,6 +31,14 @@ def hash_page_tokens(parent_hash: int, token_ids: Sequence[int]) -> int:
     return int.from_bytes(h.digest(), "little")
 
 
+def root_hash(seed: str | None) -> int:
+    """The parent hash of a sequence's first page: ROOT_HASH, or one of its own for a
+    `seed` (a LoRA adapter: pages computed with different adapters never match)."""
+    if seed is None:
+        return ROOT_HASH
+    return int.from_bytes(hashlib.blake2b(seed.encode(), digest_size=16).digest(), "little")
+
+
 class Page:
     """One KV page. `token_ids` is kept so a hash hit can be verified."""
 

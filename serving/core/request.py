@@ -8,6 +8,7 @@ import numbers
 import time
 
 from qwen_jax.validation import require
+from serving.core.lora_request import LoRARequest
 from serving.core.structured_params import StructuredOutputsParams
 
 # vLLM's _SAMPLING_EPS: temperatures below this are treated as greedy.
@@ -236,6 +237,10 @@ class Request:
     # request (Scheduler.max_num_tokens); 0 until then
     max_num_tokens: int = 0
     stop_reason: int | str | None = None
+    # The adapter it runs with (None: the base model), and while running its slot in the
+    # model's LoRA buffers (serving/core/lora_slots.py; 0: none)
+    lora_request: LoRARequest | None = None
+    lora_slot: int = 0
     metrics: RequestMetrics = dataclasses.field(init=False)  # from arrival_time
     # Chained page hashes of full pages, filled lazily by the KV cache manager.
     page_hashes: list[int] = dataclasses.field(default_factory=list, repr=False)

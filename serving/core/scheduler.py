@@ -28,6 +28,7 @@ from collections.abc import Callable, Mapping
 from serving.core.config import SchedulerConfig
 from serving.core.degradation import KVPressure, QueueWaitBoost
 from serving.core.kv_cache_manager import KVCacheManager, cdiv
+from serving.core.lora_slots import LoRASlots
 from serving.core.page_pool import Page
 from serving.core.policies import LONG, SHORT, OrderPolicy, WaitingQueue
 from serving.core.prefill_cap import PrefillCap
@@ -62,6 +63,7 @@ class Scheduler:
         self.running: list[Request] = []
         self.num_preemptions = 0
         self.num_recomputed_tokens = 0  # computed KV thrown away by recompute preemptions
+        self.lora: LoRASlots | None = None  # adapter slots (the engine's, with LoRA on)
 
     @property
     def num_running(self) -> int:
@@ -230,6 +232,8 @@ class Scheduler:
     def _preempt(self, request: Request, step: StepBuilder) -> None:
         step.unschedule(request)
         self.running.remove(request)
+        if self.lora is not None:
+            self.lora.release(request)
         self._swap_out_or_drop(request, step)
         request.num_computed_tokens = 0
         request.status = RequestStatus.PREEMPTED
@@ -265,6 +269,9 @@ class Scheduler:
             self._schedule_deferred(step, head=request)
             if step.budget == 0:
                 break
+            if self.lora is not None and self.lora.slot_for(request) is None:
+                num_skipped += 1  # its adapter is loading or has no slot yet: it waits
+                continue
             saved = self.swap.num_saved_tokens(request.request_id)
             hits, num_cached = ([], saved) if saved else self.kv.get_computed_pages(request)
             if self.prefill_cap.waits_for_slot(request.num_tokens - num_cached, self.running):
@@ -339,6 +346,8 @@ class Scheduler:
         if request.metrics.first_scheduled_time is None:
             request.metrics.first_scheduled_time = self.clock()
         self.boost.left_queue(request)
+        if self.lora is not None:
+            self.lora.acquire(request, self.lora.slot_for(request) or 0)
         self.running.append(request)
 
     def update_after_step(self, scheduler_output: SchedulerOutput,
@@ -373,6 +382,8 @@ class Scheduler:
             return None
         if request.status == RequestStatus.RUNNING:
             self.running.remove(request)
+            if self.lora is not None:
+                self.lora.release(request)
         elif not request.is_finished:
             self.waiting.remove(request)
         self.kv.free(request)

@@ -46,6 +46,12 @@ class EngineConfig:
     # vLLM's speculative_config (a dict, its JSON text or a SpeculativeConfig; None: off).
     # Methods ngram, draft_model and eagle3 (serving/engine/speculation.py).
     speculative_config: SpeculativeConfig | None = None
+    # Multi-LoRA (vLLM's options): adapters in device slots at once, their largest rank,
+    # and how many stay packed in host memory (None: max_loras)
+    enable_lora: bool = False
+    max_loras: int = 1
+    max_lora_rank: int = 16
+    max_cpu_loras: int | None = None
 
     def __post_init__(self) -> None:
         spec = SpeculativeConfig.parse(self.speculative_config)
@@ -62,6 +68,8 @@ class EngineConfig:
         require(self.impl in IMPLS, "impl", self.impl, f"one of {IMPLS}")
         require(self.load_format in LOAD_FORMATS, "load_format", self.load_format,
                 f"one of {LOAD_FORMATS}")
+        require(self.max_loras >= 1, "max_loras", self.max_loras, ">= 1")
+        require(self.max_lora_rank >= 1, "max_lora_rank", self.max_lora_rank, ">= 1")
         require(self.quantization in (None, *QUANTIZATION_METHODS), "quantization",
                 self.quantization, f"one of {QUANTIZATION_METHODS}, or None (the checkpoint's)")
 

@@ -11,6 +11,7 @@ import numpy as np
 from pallas_kernels.choices import KernelTable
 from qwen_jax.model import Qwen3ForCausalLM
 from qwen_jax.weights import DEFAULT_MODEL_DIR, resolve_model_path
+from serving.core.lora_request import LoRARequest
 from serving.core.request import (
     Request,
     RequestOutput,
@@ -25,6 +26,7 @@ from serving.engine import setup as engine_setup
 from serving.engine import stats as engine_stats
 from serving.engine.config import EngineConfig
 from serving.engine.generation_config import sampling_defaults
+from serving.engine.lora import LoRAMethods
 from serving.engine.output_processor import OutputProcessor, ParentState, SeqState, stream_due
 from serving.engine.prompt_scoring import PromptScoring, initial_entries, record
 from serving.engine.speculation import Speculator
@@ -35,11 +37,7 @@ from serving.engine.step_records import (
     sampling_entries,
     step_shape,
 )
-from serving.executor import distributed
-from serving.executor.compilation_cache import (
-    default_compilation_cache_dir,
-    enable_compilation_cache,
-)
+from serving.executor import compilation_cache, distributed
 from serving.executor.model_inputs import build_model_inputs, step_bucket
 from serving.executor.swap_store import copy_planned_swaps
 from serving.metrics.step_cost import CostModel
@@ -50,15 +48,16 @@ from serving.structured_output.token_mask import MaskBuilder
 logger = logging.getLogger(__name__)
 
 
-class LLMEngine:
+class LLMEngine(LoRAMethods):
     """One engine replica. `devices`: the TP x EP devices of its mesh (default: the first
     ones); data parallelism runs several replicas (see serving/entrypoints/llm.py)."""
 
     def __init__(self, config: EngineConfig, devices=None):
         self.config = config
         cache_dir = config.compilation_cache_dir
-        enable_compilation_cache(
-            default_compilation_cache_dir() if cache_dir == "default" else cache_dir)
+        compilation_cache.enable_compilation_cache(
+            compilation_cache.default_compilation_cache_dir() if cache_dir == "default"
+            else cache_dir)
         started = time.perf_counter()
         self.model_path = resolve_model_path(config.model or DEFAULT_MODEL_DIR)
         self.mesh = engine_setup.replica_mesh(config, self.model_path, devices)
@@ -83,7 +82,7 @@ class LLMEngine:
         self.bytes_per_page, self.num_pages = setup.bytes_per_page, setup.num_pages
         self.kv_manager, self.page_table = setup.kv_manager, setup.page_table
         self.swap_store, self.scheduler = setup.swap_store, setup.scheduler
-        self.runner, self.bucket_pairs = setup.runner, setup.bucket_pairs
+        self.runner, self.bucket_pairs, self.lora = setup.runner, setup.bucket_pairs, setup.lora
         self._rng = np.random.default_rng(config.seed)
         self._seqs: dict[str, SeqState] = {}
         # live sequences with a grammar (its next mask needs its last token on the host,
@@ -129,7 +128,7 @@ class LLMEngine:
     # ---- requests ----------------------------------------------------------------------
     def add_request(self, request_id: str, prompt, sampling_params: SamplingParams | None = None,
                     *, priority: int = 0, arrival_time: float | None = None,
-                    stream: bool = True) -> None:
+                    stream: bool = True, lora_request: LoRARequest | None = None) -> None:
         """Queue a request. `step` returns its outputs as its `output_kind` says;
         `stream=False` makes that FINAL_ONLY (no per-token output objects: what offline
         generation needs)."""
@@ -142,6 +141,7 @@ class LLMEngine:
         text, ids = prompt_token_ids(prompt, self.tokenizer, self.model_config.vocab_size,
                                      self.model_path)
         blocked = self.output_processor.blocked_ids(params)
+        self._check_lora(lora_request)
         children = []
         try:
             for i in range(params.n):
@@ -149,7 +149,7 @@ class LLMEngine:
                 # Request checks the prompt is non-empty; the scheduler checks its length
                 # and that the cache can ever hold it (before prompt logprobs are computed).
                 request = Request(request_id=child_id, prompt_token_ids=ids, sampling_params=params,
-                                  priority=priority,
+                                  priority=priority, lora_request=lora_request,
                                   arrival_time=arrival_time or time.monotonic())
                 self.scheduler.add_request(request)
                 children.append(self._seq_state(request, request_id, i, blocked))
@@ -242,6 +242,8 @@ class LLMEngine:
             self.speculator.propose(self.scheduler.running, self._seqs)
         out = self.scheduler.schedule()
         copy_planned_swaps(self.swap_store, self.runner, out)
+        if self.lora is not None:
+            self.lora.write_slots(self.runner)
         flight = None if out.is_empty else self._launch(out)
         if not overlap:
             if flight is None:
@@ -394,4 +396,5 @@ class LLMEngine:
 
     # ---- introspection -----------------------------------------------------------------
     def stats(self) -> dict:
-        return {**engine_stats.kv_stats(self), **engine_stats.scheduling_stats(self.scheduler)}
+        return {**engine_stats.kv_stats(self), **engine_stats.scheduling_stats(self.scheduler),
+                **({} if self.lora is None else self.lora.stats(self.scheduler))}

@@ -28,6 +28,7 @@ from serving.core.scheduler import Scheduler
 from serving.core.swap import SwapManager
 from serving.engine.config import EngineConfig
 from serving.engine.draft_proposer import DraftModelProposer
+from serving.engine.lora import EngineLoRA, lora_setup
 from serving.executor import distributed, kv_cache
 from serving.executor.draft_runner import DraftRunner
 from serving.executor.eagle_runner import EagleRunner
@@ -83,6 +84,7 @@ class CacheSetup:
     runner: ModelRunner
     bucket_pairs: list
     draft: DraftModelProposer | None = None  # speculative method draft_model
+    lora: EngineLoRA | None = None  # enable_lora: the adapter slots
 
 
 def _draft_dir(config: EngineConfig, default: Path) -> Path:
@@ -162,6 +164,7 @@ def build_cache(config: EngineConfig, model: Qwen3ForCausalLM, mesh) -> CacheSet
     """Size and allocate the KV cache, then the scheduler and runner that use it; with a
     draft model (load_draft_model), its own cache of the same pages (sized together)."""
     draft = load_draft_model(config, model, mesh)
+    lora = lora_setup(config, model)  # its buffers allocated before the cache is sized
     sched, cache, model_config = config.scheduler, config.cache, model.config
     if sched.max_model_len is None:  # vLLM takes the model's; capped to keep the page
         # table (and the CPU reference attention, which reads all of it) small
@@ -191,6 +194,7 @@ def build_cache(config: EngineConfig, model: Qwen3ForCausalLM, mesh) -> CacheSet
     swap_store = SwapStore(num_pages, pages_per_seq) if num_host_pages else None
     scheduler = Scheduler(sched, kv_manager,
                           swap=SwapManager(num_host_pages, cache.swap_min_tokens))
+    scheduler.lora = None if lora is None else lora.slots
     runner = ModelRunner(model, caches, max_model_len=max_model_len,
                          pages_per_seq=pages_per_seq, mesh=mesh,
                          max_num_seqs=max(sched.seq_bucket_sizes))
@@ -199,4 +203,5 @@ def build_cache(config: EngineConfig, model: Qwen3ForCausalLM, mesh) -> CacheSet
                               pages_per_seq=pages_per_seq, dtype=dtype)
     return CacheSetup(sched, page_size, pages_per_seq, dtype, bytes_per_page, num_pages,
                       kv_manager, page_table, swap_store, scheduler, runner,
-                      bucket_pairs(sched.token_bucket_sizes, sched.seq_bucket_sizes), proposer)
+                      bucket_pairs(sched.token_bucket_sizes, sched.seq_bucket_sizes), proposer,
+                      lora)

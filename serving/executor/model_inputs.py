@@ -35,6 +35,8 @@ class ModelInputs:
     # int32[T]: for a token the previous step sampled and the host has not read yet, that
     # step's row (the device fills it in); -1 elsewhere
     prev_index: np.ndarray
+    # int32[T]: each token's LoRA adapter slot (serving/core/lora_slots.py); 0: none
+    lora_slots: np.ndarray
 
     @property
     def num_tokens(self) -> int:
@@ -130,7 +132,18 @@ def build_model_inputs(scheduler_output: SchedulerOutput, token_buckets: Sequenc
     return ModelInputs(token_ids=token_ids, positions=positions, slot_mapping=slot_mapping,
                        query_start=query_start, kv_lens=kv_lens, page_table=table,
                        logits_index=logits_index, num_seqs=np.array(num_seqs, np.int32),
-                       prev_index=prev_index)
+                       prev_index=prev_index, lora_slots=_lora_slots(scheduled, T))
+
+
+def _lora_slots(scheduled, T: int) -> np.ndarray:
+    """Each token's adapter slot: its sequence's (zeros when no sequence has one)."""
+    slots = np.zeros(T, np.int32)
+    if any(s.request.lora_slot for s in scheduled):
+        per_seq = np.fromiter((s.request.lora_slot for s in scheduled), np.int32,
+                              len(scheduled))
+        num_new = np.fromiter((s.num_new_tokens for s in scheduled), np.int64, len(scheduled))
+        slots[:int(num_new.sum())] = np.repeat(per_seq, num_new)
+    return slots
 
 
 def _layout(scheduled, T: int, S: int, table: np.ndarray, page_size: int):

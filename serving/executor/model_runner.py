@@ -19,6 +19,7 @@ from flax import nnx
 from jax.sharding import NamedSharding
 
 from qwen_jax.attention import AttentionMetadata
+from qwen_jax.lora_layers import write_slot
 from qwen_jax.sharding import replicated
 from serving.executor.dispatch import DispatchThread, PendingStep, done
 from serving.executor.model_inputs import ModelInputs
@@ -103,7 +104,7 @@ class ModelRunner:
                                        pending_tokens=token_ids[inputs.logits_index])
         model = nnx.merge(self.graphdef, state)
         hidden, kv_caches = model.forward(token_ids, inputs.positions, kv_caches,
-                                          attention_metadata(inputs))
+                                          attention_metadata(inputs), inputs.lora_slots)
         logits = model.compute_logits(hidden[inputs.logits_index])  # [S, V] f32
         out = sample(logits, sampling)
         if score_rows is not None:
@@ -198,6 +199,15 @@ class ModelRunner:
                                     else jax.device_put(zeros))
         return self._no_prev_tokens
 
+    def write_lora_slot(self, index: int, packed: list[dict]) -> None:
+        """LoRA buffer `index` <- a packed adapter (qwen_jax/lora.py), after every step
+        already dispatched (the buffers are donated to the write)."""
+        def write():
+            model = nnx.merge(self.graphdef, self.state)
+            write_slot(model, index, packed)
+            self.graphdef, self.state = nnx.split(model)
+        self._on_device_thread(write)
+
     def copy_pages_to_host(self, store, device_pages, host_pages) -> None:
         """Swap out: `store` (serving/executor/swap_store.py) keeps the pages' KV."""
         self._on_device_thread(lambda: store.save(self.kv_caches, list(device_pages),
@@ -266,7 +276,7 @@ def padding_inputs(num_tokens: int, num_seqs: int, pages_per_seq: int) -> ModelI
                        slot_mapping=zeros(num_tokens), query_start=zeros(num_seqs + 1),
                        kv_lens=zeros(num_seqs), page_table=zeros(num_seqs, pages_per_seq),
                        logits_index=zeros(num_seqs), num_seqs=np.array(0, np.int32),
-                       prev_index=np.full(num_tokens, -1, np.int32))
+                       prev_index=np.full(num_tokens, -1, np.int32), lora_slots=zeros(num_tokens))
 
 
 def _small(sampling: SamplingArrays) -> SamplingArrays:
