@@ -20,6 +20,7 @@ _PUBLIC = {
     "RequestOutput": "serving.core.request",
     "CompletionOutput": "serving.core.request",
     "EngineConfig": "serving.engine.config",
+    "LoRARequest": "serving.core.lora_request",
 }
 
 __all__ = list(_PUBLIC)

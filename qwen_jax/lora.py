@@ -45,8 +45,9 @@ _EXPERT = re.compile(r"mlp\.experts\.(\d+)\.(gate_proj|up_proj|down_proj)")
 _FUSED = re.compile(r"mlp\.experts((?:\.base_layer)*)")
 _SUPPORTED_KEYS = ("base_model.model.model.layers.<i>.<self_attn.<q|k|v|o>_proj | "
                    "mlp.<gate|up|down>_proj | mlp.experts.<e>.<gate|up|down>_proj | "
-                   "mlp.experts[.base_layer]>.lora_<A|B>.weight")
-_SUPPORTED_TARGETS = "q_proj, k_proj, v_proj, o_proj, gate_proj, up_proj, down_proj"
+                   "mlp.experts[.base_layer] | mlp.gate>.lora_<A|B>.weight")
+_SUPPORTED_TARGETS = ("q_proj, k_proj, v_proj, o_proj, gate_proj, up_proj, down_proj, gate "
+                      "(the MoE router)")
 
 Factors = tuple[np.ndarray, np.ndarray]
 
@@ -57,8 +58,9 @@ class LoRAAdapter:
 
     float32 with the scaling folded into B. Modules: `self_attn.<q|k|v|o>_proj` and
     `mlp.<gate|up|down>_proj` (dense layers; A [in, r]), `mlp.experts.<gate|up|down>_proj`
-    (A [E, in, r]) and `mlp.experts.gate_up_proj` (fused: A [E, D, r], B [E, r, 2F], gate
-    columns first). `rank` is the largest module rank, a fused gate_up_proj counting half.
+    (A [E, in, r]), `mlp.experts.gate_up_proj` (fused: A [E, D, r], B [E, r, 2F], gate
+    columns first) and `mlp.gate` (the MoE router: A [D, r], B [r, E]). `rank` is the
+    largest module rank, a fused gate_up_proj counting half.
     """
 
     name: str
@@ -83,6 +85,8 @@ def module_dims(cfg: ModelConfig, layer: int, module: str) -> tuple[tuple[int, .
     if group == "self_attn" and proj in attn:
         return (), *attn[proj]
     moe = cfg.is_moe_layer(layer)
+    if module == "mlp.gate" and moe:
+        return (), d, cfg.num_experts
     f = cfg.moe_intermediate_size if moe else cfg.intermediate_size
     mlp = {"gate_proj": (d, f), "up_proj": (d, f), "down_proj": (f, d), "gate_up_proj": (d, 2 * f)}
     want = "mlp.experts" if moe else "mlp"
@@ -149,7 +153,7 @@ def _module_names(cfg: ModelConfig) -> tuple[list[str], dict[str, str]]:
         supported += [f"{prefix}mlp.experts.{p}" for p in MLP_PROJS]
         supported += [f"{prefix}mlp.experts.{e}.{p}" for e in range(cfg.num_experts)
                       for p in MLP_PROJS]
-        unsupported[f"{prefix}mlp.gate"] = "the MoE router (mlp.gate)"
+        supported.append(f"{prefix}mlp.gate")
     return supported, unsupported
 
 
@@ -184,13 +188,11 @@ def _check_target_parameters(targets: object, cfg: ModelConfig) -> None:
     names = [f"model.layers.{i}.mlp.experts.{p}" for i in moe_layers for p in FUSED_PARAMS]
     routers = [f"model.layers.{i}.mlp.gate.weight" for i in moe_layers]
     for target in _str_list(targets or [], "target_parameters", "null"):
-        if any(_matches(target, n) for n in names):
+        if any(_matches(target, n) for n in [*names, *routers]):
             continue
-        what = ("is the MoE router (mlp.gate.weight), which LoRA serving does not support"
-                if any(_matches(target, n) for n in routers) else
-                "names no parameter of this model")
-        raise ValueError(f"target_parameters entry {target!r} {what}; supported: gate_up_proj "
-                         "and down_proj of mlp.experts (MoE layers)")
+        raise ValueError(f"target_parameters entry {target!r} names no parameter of this "
+                         "model; supported: gate_up_proj and down_proj of mlp.experts and the "
+                         "router's gate.weight (MoE layers)")
 
 
 def _check_fields(raw: dict, cfg: ModelConfig) -> None:
@@ -284,8 +286,7 @@ def _module_of(cfg: ModelConfig, spec: _Spec, key: str, layer: int, path: str) -
                 f"in a layer target_parameters wraps (none wraps mlp.experts of layer {layer})")
         return f"mlp.experts.{wrapped[len(wrapped) - 1 - depth]}"
     if path == "mlp.gate" and moe:
-        raise ValueError(f"tensor {key!r} is a LoRA of the MoE router (mlp.gate), which LoRA "
-                         "serving does not support")
+        return path
     raise ValueError(f"tensor key {key!r} maps to no supported module of layer {layer} (a "
                      f"{cfg.layer_kinds[layer]} layer); expected {_SUPPORTED_KEYS}")
 
@@ -409,7 +410,7 @@ def lora_buffer_shapes(cfg: ModelConfig, rank: int) -> list[dict[str, tuple[int,
     for kind, _, count in cfg.segments:
         lead = (count, cfg.num_experts) if kind == "moe" else (count,)
         f = cfg.moe_intermediate_size if kind == "moe" else cfg.intermediate_size
-        out.append({
+        shapes = {
             "self_attn.lora_qkv_a": (count, d, 3 * rank),
             "self_attn.lora_qkv_b": (count, 3 * rank, qkv),
             "self_attn.lora_o_a": (count, heads, rank),
@@ -418,7 +419,11 @@ def lora_buffer_shapes(cfg: ModelConfig, rank: int) -> list[dict[str, tuple[int,
             "mlp.lora_gate_up_b": (*lead, 2 * rank, 2, f),
             "mlp.lora_down_a": (*lead, f, rank),
             "mlp.lora_down_b": (*lead, rank, d),
-        })
+        }
+        if kind == "moe":
+            shapes |= {"mlp.lora_router_a": (count, d, rank),
+                       "mlp.lora_router_b": (count, rank, cfg.num_experts)}
+        out.append(shapes)
     return out
 
 
@@ -436,6 +441,9 @@ def _place(buf: dict[str, np.ndarray], x: int, module: str, factors: Factors,
     elif proj == "o_proj":
         buf["self_attn.lora_o_a"][x, :, :r] = a
         buf["self_attn.lora_o_b"][x, :r, :] = b
+    elif module == "mlp.gate":  # the router
+        buf["mlp.lora_router_a"][x, :, :r] = a
+        buf["mlp.lora_router_b"][x, :r, :] = b
     elif proj == "gate_up_proj":  # fused: [gate | up] output columns share the rank
         f = b.shape[-1] // 2
         buf["mlp.lora_gate_up_a"][x, ..., :r] = a

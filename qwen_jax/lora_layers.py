@@ -89,16 +89,19 @@ def lora_op(rt):
     return rt.kernels.lora_matmul
 
 
-def add_lora(y, x, module, name: str, layer, groups: LoRAGroups | None, rt):
+def add_lora(y, x, module, name: str, layer, groups: LoRAGroups | None, rt, *,
+             xla: bool = False):
     """y + the LoRA update of module.<name>_a / _b for x's rows (y unchanged when the
     model has no LoRA buffers or the step no slots). A B of [.., 2, F] (gate and up)
-    is read as [.., 2F]."""
+    is read as [.., 2F]. xla: the plain-jnp op on every impl (the router's few columns,
+    E, need not fit the kernels' tiles)."""
     a = getattr(module, f"{name}_a", None)
     if a is None or groups is None:
         return y
     b = getattr(module, f"{name}_b")[...]
     b = b.reshape(*b.shape[:3], -1)                           # [X, S, R', N]
-    return y + lora_op(rt)(x, a[...], b, layer, groups)
+    op = lora_matmul_reference if xla else lora_op(rt)
+    return y + op(x, a[...], b, layer, groups)
 
 
 @jax.tree_util.register_dataclass

@@ -215,6 +215,7 @@ class SparseMoE(nnx.Module):
         """x: [T, D]; valid: bool[T]; layer: int32[] index into the stacks -> [T, D].
         lora: the tokens' adapter groups (qwen_jax/lora_layers.py), or None."""
         logits = matmul_op(rt)(x, (self.gate[...],), layer, out_dtype=jnp.float32)
+        logits = add_lora(logits, x, self, "lora_router", layer, lora, rt, xla=True)  # f32
         weights, ids = route_logits(logits, self.top_k, self.norm_topk_prob)  # [T, k]
         gmm = rt.kernels.grouped_matmul
         gate_up = stored_weight(self, "gate_up_proj", self.gate_up_quant, pair=True)

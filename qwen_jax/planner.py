@@ -14,7 +14,7 @@ from qwen_jax.config import ModelConfig
 from qwen_jax.model import Qwen3ForCausalLM
 from qwen_jax.params import abstract_model, resolve_dtype
 from qwen_jax.quantization import resolve as resolve_quantization
-from qwen_jax.sharding import kv_replication, param_specs
+from qwen_jax.sharding import kv_replication, lora_logical_axes, param_specs, spec_for
 
 
 @dataclasses.dataclass(frozen=True)
@@ -35,6 +35,7 @@ class MemoryPlan:
     num_pages: int
     page_size: int  # tokens per KV page (vLLM's option `block_size`)
     weights: str = ""  # the weights' dtype, or their quantisation and the rest's dtype
+    lora_bytes_per_device: int = 0  # the LoRA slots (max_loras adapters at max_lora_rank)
 
     @property
     def max_concurrent_tokens(self) -> int:
@@ -42,9 +43,11 @@ class MemoryPlan:
 
     def summary(self) -> str:
         gb = 1e9
+        lora = (f" + LoRA slots {self.lora_bytes_per_device / gb:.2f} GB/device"
+                if self.lora_bytes_per_device else "")
         return (f"TP={self.tensor_parallel_size} x EP={self.expert_parallel_size}: weights "
                 f"({self.weights}) "
-                f"{self.weight_bytes_per_device / gb:.1f} GB/device of "
+                f"{self.weight_bytes_per_device / gb:.1f} GB/device{lora} of "
                 f"{self.usable_bytes / gb:.1f} GB usable; KV "
                 f"{self.kv_bytes_per_page_per_device / 2**10:.0f} KiB/page/device -> "
                 f"{self.num_pages:,} pages = {self.max_concurrent_tokens:,} tokens")
@@ -89,17 +92,37 @@ def weight_bytes_per_device(cfg: ModelConfig, dtype, tp: int, ep: int) -> int:
     return total
 
 
+def lora_bytes_per_device(cfg: ModelConfig, dtype, tp: int, ep: int, max_loras: int,
+                          max_lora_rank: int) -> int:
+    """Bytes of the LoRA slot buffers (qwen_jax/lora_layers.py) one device holds: the
+    experts' split like their weights, the rest replicated."""
+    from qwen_jax.lora_layers import buffer_shapes
+    mesh = _MeshShape({"data": 1, "expert": ep, "model": tp})
+    total = 0
+    for shapes in buffer_shapes(cfg, max_lora_rank):
+        for name, shape in shapes.items():
+            full = (shape[0], max_loras, *shape[1:])
+            spec = spec_for(lora_logical_axes(name.split(".")[1]), full, mesh)
+            factor = math.prod(mesh.shape[a] for a in spec if a is not None)
+            total += math.prod(full) // factor * _itemsize(dtype)
+    return total
+
+
 def plan_memory(cfg: ModelConfig, *, dtype="bfloat16", tensor_parallel_size: int = 1,
                 expert_parallel_size: int = 1, device_memory_bytes: int,
                 gpu_memory_utilization: float = 0.9, block_size: int = 16,
-                kv_cache_dtype=None, quantization: str | None = None) -> MemoryPlan:
+                kv_cache_dtype=None, quantization: str | None = None, max_loras: int = 0,
+                max_lora_rank: int = 16) -> MemoryPlan:
     """Raise ValueError (with the numbers) when the weights leave no room for the cache.
-    quantization: fp8 | int8 | awq weights (default: the checkpoint config's, if any)."""
+    quantization: fp8 | int8 | awq weights (default: the checkpoint config's, if any).
+    max_loras: LoRA adapter slots (enable_lora), at max_lora_rank, counted beside them."""
     dtype = resolve_dtype(dtype)
     cfg = dataclasses.replace(cfg, quantization=resolve_quantization(
         cfg.quantization, quantization, dummy=True))
     tp, ep = tensor_parallel_size, expert_parallel_size
-    weights = weight_bytes_per_device(cfg, dtype, tp, ep)
+    lora = (lora_bytes_per_device(cfg, dtype, tp, ep, max_loras, max_lora_rank)
+            if max_loras else 0)
+    weights = weight_bytes_per_device(cfg, dtype, tp, ep) + lora
     usable = int(device_memory_bytes * gpu_memory_utilization)
     per_page = kv_bytes_per_page(cfg, block_size, kv_cache_dtype or dtype, tp)
     num_pages = (usable - weights) // per_page
@@ -111,8 +134,8 @@ def plan_memory(cfg: ModelConfig, *, dtype="bfloat16", tensor_parallel_size: int
             f"but only {usable / 1e9:.1f} GB are usable (gpu_memory_utilization="
             f"{gpu_memory_utilization} of {device_memory_bytes / 1e9:.1f} GB); add devices "
             f"or use a smaller dtype")
-    return MemoryPlan(tp, ep, int(device_memory_bytes), usable, weights, per_page,
-                      int(num_pages), block_size, _weights_name(cfg, dtype))
+    return MemoryPlan(tp, ep, int(device_memory_bytes), usable, weights - lora, per_page,
+                      int(num_pages), block_size, _weights_name(cfg, dtype), lora)
 
 
 def _weights_name(cfg: ModelConfig, dtype) -> str:

@@ -153,21 +153,19 @@ def test_per_expert_ranks_differ_per_expert(rslora, moe, tmp_path):
     assert_matches(adapter, deltas, cfg)
 
 
-def test_hand_written_all_linear_resolves_like_peft(moe, tmp_path):
+def test_all_linear_with_the_router_matches_peft(moe, tmp_path):
+    # peft saves all-linear resolved, the router (mlp.gate.weight) included; as a
+    # transformers-4 config ("all-linear", router module "gate") it loads the same.
     hf, cfg = moe
     peft_model = save_peft_adapter(hf, tmp_path, target_modules="all-linear")
     tensors, config = read_adapter(tmp_path)
-    assert "gate.weight" in config["target_parameters"]  # peft saves all-linear resolved
-    with pytest.raises(ValueError, match="target_parameters entry 'gate.weight' is the MoE router"):
-        load_adapter(tmp_path, cfg, max_rank=4)
+    assert "gate.weight" in config["target_parameters"]
+    deltas = merged_deltas(peft_model, hf)
+    assert (0, "mlp.gate") in deltas
+    assert_matches(load_adapter(tmp_path, cfg, max_rank=4), deltas, cfg)
     config.update(target_modules="all-linear", target_parameters=None, rank_pattern={},
                   alpha_pattern={})
     write_adapter(tmp_path, tensors, config)
-    with pytest.raises(ValueError, match=r"layers\.0\.mlp\.gate\.lora_.\.weight' is a LoRA of the "
-                                         "MoE router"):
-        load_adapter(tmp_path, cfg, max_rank=4)
-    write_adapter(tmp_path, {k: v for k, v in tensors.items() if ".mlp.gate." not in k}, config)
-    deltas = {k: v for k, v in merged_deltas(peft_model, hf).items() if k[1] != "mlp.gate"}
     assert_matches(load_adapter(tmp_path, cfg, max_rank=4), deltas, cfg)
 
 
@@ -176,7 +174,8 @@ def test_lora_buffer_shapes_per_segment(moe):
     moe_seg = {"self_attn.lora_qkv_a": (1, 32, 24), "self_attn.lora_qkv_b": (1, 24, 96),
                "self_attn.lora_o_a": (1, 48, 8), "self_attn.lora_o_b": (1, 8, 32),
                "mlp.lora_gate_up_a": (1, 4, 32, 16), "mlp.lora_gate_up_b": (1, 4, 16, 2, 20),
-               "mlp.lora_down_a": (1, 4, 20, 8), "mlp.lora_down_b": (1, 4, 8, 32)}
+               "mlp.lora_down_a": (1, 4, 20, 8), "mlp.lora_down_b": (1, 4, 8, 32),
+               "mlp.lora_router_a": (1, 32, 8), "mlp.lora_router_b": (1, 8, 4)}
     dense_seg = {**{k: v for k, v in moe_seg.items() if k.startswith("self_attn")},
                  "mlp.lora_gate_up_a": (1, 32, 16), "mlp.lora_gate_up_b": (1, 16, 2, 36),
                  "mlp.lora_down_a": (1, 36, 8), "mlp.lora_down_b": (1, 8, 32)}
@@ -235,8 +234,6 @@ ERRORS = {
     "rank_pattern": (_patterns(q_proj=16),
                      r"rank_pattern\['q_proj'\] \(the rank of model\.layers\.0\.self_attn\.q_proj"
                      r"\) must be <= max_rank=4, got 16"),
-    "router_module": (_config(target_modules=["q_proj", "gate"]),
-                      "target_modules entry 'gate' is the MoE router"),
     "lm_head": (_config(target_modules=["lm_head"]), "target_modules entry 'lm_head' is the LM"),
     "embed_tokens": (_config(target_modules=["embed_tokens"]),
                      "target_modules entry 'embed_tokens' is the token embedding"),
@@ -247,8 +244,6 @@ ERRORS = {
     "bad_pattern": (_patterns(**{"[": 2}), r"rank_pattern key must be a valid regular .*'\['"),
     "unwrapped_fused": (_config(target_parameters=[]),
                         "in a layer target_parameters wraps .none wraps mlp.experts of layer 0"),
-    "router_param": (_config(target_parameters=["gate.weight"]),
-                     "target_parameters entry 'gate.weight' is the MoE router"),
     "foo_param": (_config(target_parameters=["down_proj", "foo"]),
                   "target_parameters entry 'foo' names no parameter"),
     "layers_to_transform": (_config(layers_to_transform=[0, 5]),
@@ -259,8 +254,6 @@ ERRORS = {
                        "adapter_model.safetensors maps to no supported module"),
     "embedding_tensor": (_add(f"{PREFIX}model.embed_tokens.lora_embedding_A", (4, 96)),
                          "embed_tokens.lora_embedding_A' in adapter_model.safetensors maps to no"),
-    "router_tensor": (_add(f"{PREFIX}model.layers.0.mlp.gate.lora_A.weight", (4, 32)),
-                      r"mlp\.gate\.lora_A\.weight' is a LoRA of the MoE router"),
     "dense_mlp_in_moe_layer": (_add(f"{PREFIX}model.layers.0.mlp.gate_proj.lora_A.weight", (4, 32)),
                                "maps to no supported module of layer 0 .a moe layer"),
     "nested_too_deep": (_add(FUSED_A.replace("base_layer", "base_layer.base_layer"), (32, 32)),

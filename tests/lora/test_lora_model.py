@@ -20,7 +20,7 @@ DIMS = dict(head_dim=12, moe_intermediate_size=20, intermediate_size=36)
 MOE = dict(moe=True, num_hidden_layers=3, mlp_only_layers=[1], **DIMS)
 ATTN = ["q_proj", "k_proj", "v_proj", "o_proj"]
 MLP = ["gate_proj", "up_proj", "down_proj"]
-TARGETS = {"attention": ATTN, "experts": MLP, "both": ATTN + MLP}
+TARGETS = {"attention": ATTN, "experts": MLP, "both": "all-linear"}  # all: the router too
 IDS = np.random.default_rng(0).integers(2, 96, size=(4, 13)).astype(np.int32)
 RANK = 16
 
