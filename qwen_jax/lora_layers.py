@@ -57,10 +57,10 @@ def with_slots(shape: tuple[int, ...], num_slots: int) -> tuple[int, ...]:
     return (shape[0], num_slots, *shape[1:])
 
 
-def enable_lora(model, num_slots: int, rank: int) -> None:
+def enable_lora(model, num_slots: int, rank: int, *, abstract: bool = False) -> None:
     """Zeroed buffers for `num_slots` adapters of rank <= `rank` in every layer of
-    `model` (created in their shards under the model's mesh). Call before the state is
-    split for the step."""
+    `model` (created in their shards under the model's mesh; `abstract`: shapes only, for
+    lowering without memory). Call before the state is split for the step."""
     from qwen_jax import sharding
     mesh = model.mesh
     for stack, shapes in zip(model.segments, buffer_shapes(model.config, rank)):
@@ -69,8 +69,9 @@ def enable_lora(model, num_slots: int, rank: int) -> None:
             full = with_slots(shape, num_slots)
             target = None if mesh is None else jax.sharding.NamedSharding(
                 mesh, sharding.spec_for(sharding.lora_logical_axes(attr), full, mesh))
-            setattr(getattr(stack, module_name), attr,
-                    LoRAWeight(sharding.zeros(full, model.dtype, target)))
+            value = (jax.ShapeDtypeStruct(full, model.dtype, sharding=target) if abstract
+                     else sharding.zeros(full, model.dtype, target))
+            setattr(getattr(stack, module_name), attr, LoRAWeight(value))
     model.lora_slots = num_slots
     model.lora_rank = rank
 

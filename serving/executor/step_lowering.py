@@ -48,10 +48,12 @@ def _ir():
 def abstract_runner(model: str = "qwen3-30b-a3b", *, dtype: str = "bfloat16",
                     impl: str = "pallas", kv_cache_dtype: str = "auto",
                     max_model_len: int = 1280, page_size: int = 16, num_pages: int = 5200,
-                    quantization: str | None = None, kernel_table=None):
+                    quantization: str | None = None, kernel_table=None, max_loras: int = 0,
+                    max_lora_rank: int = 16):
     """A ModelRunner over ShapeDtypeStruct params and caches: no weights allocated.
     quantization: fp8 | int8 | awq weights (as a checkpoint of that format holds them);
-    kernel_table: a KernelTable of per-shape kernels (pallas_kernels/choices.py)."""
+    kernel_table: a KernelTable of per-shape kernels (pallas_kernels/choices.py);
+    max_loras: LoRA adapter slots (at max_lora_rank) in every layer."""
     from qwen_jax.config import ModelConfig
     from qwen_jax.model import Qwen3ForCausalLM
     from qwen_jax.params import abstract_model, resolve_kv_cache_dtype
@@ -63,6 +65,9 @@ def abstract_runner(model: str = "qwen3-30b-a3b", *, dtype: str = "bfloat16",
                                                         dummy=True))
     abstract = abstract_model(cfg, dtype, impl=impl, model_cls=Qwen3ForCausalLM)
     abstract.use_kernel_table(kernel_table)
+    if max_loras:
+        from qwen_jax import lora_layers
+        lora_layers.enable_lora(abstract, max_loras, max_lora_rank, abstract=True)
     kv_dtype = resolve_kv_cache_dtype(kv_cache_dtype, abstract.dtype)
     caches = jax.eval_shape(lambda: abstract.init_kv_caches(num_pages, page_size, kv_dtype))
     return ModelRunner(abstract, caches, max_model_len=max_model_len, dispatch_thread=False,

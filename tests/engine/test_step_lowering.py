@@ -117,3 +117,15 @@ def test_a_kernel_table_puts_mosaic_kernels_in_the_prefill_step_only():
     assert prefill.count("xla.gpu.triton(") == 6 - mosaic_calls
     _check_weights_read_whole(step_lowering.weight_reads(runner, (2048, 64)))
 
+
+
+@pytest.mark.parametrize("bucket", [(8, 4), (2048, 64)])
+def test_lora_adds_its_grouped_matmuls_and_no_loop_per_adapter(runner, bucket):
+    # 8 rank-16 adapter slots: per layer a shrink and an expand grouped matmul each for
+    # qkv, o_proj, the experts' gate/up and down (8 kernels, whatever the adapters mixed
+    # in the batch), the router's update as two XLA dots, and no loop over adapters.
+    lora = step_lowering.abstract_runner("qwen3-30b-a3b", impl="pallas", max_loras=8)
+    base = step_lowering.summary(runner, bucket)["per_layer_heavy_by_op"][0]
+    by_op = step_lowering.summary(lora, bucket)["per_layer_heavy_by_op"][0]
+    assert by_op["custom_call"] == base["custom_call"] + 8, by_op
+    assert by_op.get("dot_general", 0) == 2 and "while" not in by_op, by_op
