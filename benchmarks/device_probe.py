@@ -2,7 +2,7 @@
 OUTDIR/probe.jsonl as one JSON line the moment it is measured.
 
     PYTHONPATH=. python3 benchmarks/device_probe.py --out OUTDIR \\
-        [--stages env,check,attention,matmul,engine,offline[,speculative]]
+        [--stages env,check,attention,matmul,engine,offline[,speculative][,lora]]
         [--timeout STAGE=SECONDS]
         [--num-gpu-blocks-override 5200] [--quantization fp8|int8|awq] [--small]
 
@@ -31,6 +31,10 @@ so, and the next stage runs):
              greedy decode at 1 and 8 sequences verifying k = 1..5 drafts every step
              (against k = 0, no speculation): step execute ms, output tok/s, the experts
              a MoE layer is expected to read per step
+  lora       (only when asked) multi-LoRA cost: Qwen3-30B-A3B with 8 adapter slots of
+             rank 16 (random factors on attention, experts and router, packed directly),
+             greedy decode of 1024 in / 64 out at 8 and 64 sequences with no adapter,
+             then 8 adapters mixed in every step: output tok/s, decode execute ms, ratio
 
 --quantization fp8 (or int8, awq): the engine and offline stages with quantised weights,
 to set beside a run without it (`--stages engine,offline --quantization fp8`); the matmul
@@ -53,12 +57,12 @@ import sys
 import threading
 import time
 
-STAGES = ("env", "check", "attention", "matmul", "engine", "offline", "speculative")
-DEFAULT_STAGES = STAGES[:-1]  # speculative: when asked (--stages speculative)
+STAGES = ("env", "check", "attention", "matmul", "engine", "offline", "speculative", "lora")
+DEFAULT_STAGES = STAGES[:-2]  # speculative and lora: when asked (--stages speculative,lora)
 # Seconds per stage on an H200, at most (the default stages under 9 minutes in all; a run
 # takes less).
 TIMEOUTS = {"env": 60, "check": 60, "attention": 45, "matmul": 60, "engine": 150,
-            "offline": 150, "speculative": 420}
+            "offline": 150, "speculative": 420, "lora": 300}
 REPO = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 
 
@@ -335,13 +339,54 @@ def _speculative_curve(emit, args, method: str, model: str | None) -> None:
     engine.speculator = speculator
 
 
-def _offline_run(engine, prompts, params, prefix, decode_tokens):
+def stage_lora(emit, args, arm):
+    """Decode with 8 rank-16 adapters mixed in each step against no adapter, one engine."""
+    import numpy as np
+
+    from qwen_jax.lora import lora_buffer_shapes
+    from serving.core.lora_request import LoRARequest
+    from serving.core.request import SamplingParams
+    from serving.engine.config import engine_config_from_kwargs
+    from serving.engine.llm_engine import LLMEngine
+
+    kwargs = engine_kwargs(args)
+    engine = LLMEngine(engine_config_from_kwargs(
+        kwargs.pop("model"), show_progress=False, compilation_cache_dir=None,
+        enable_prefix_caching=False, enable_lora=True, max_loras=8, max_lora_rank=16,
+        **kwargs))
+    rng = np.random.default_rng(3)
+    packed = [{name: (rng.standard_normal(shape, np.float32) * 0.01).astype(np.float32)
+               for name, shape in seg.items()}
+              for seg in lora_buffer_shapes(engine.model_config, engine.lora.buffer_rank)]
+    loras = [LoRARequest(f"probe{i}", i + 1, f"random-{i}") for i in range(8)]
+    for lora in loras:  # one random set for all eight: the step's work is the same
+        engine.lora.slots.add(lora, packed)
+    in_len, out_len = (40, 8) if args.small else (1024, 64)
+    params = SamplingParams(temperature=0.0, max_tokens=out_len, ignore_eos=True)
+    vocab = engine.model_config.vocab_size
+    for batch in (8,) if args.small else (8, 64):
+        prompts = [rng.integers(2, vocab - 1, in_len).tolist() for _ in range(batch)]
+        rates = {}
+        for case, used in (("none", None), ("mixed_8", loras)):
+            for run in ("warm", "timed"):
+                row = _offline_run(engine, prompts, params, f"lora{batch}-{case}-{run}",
+                                   64, used)
+            rates[case] = batch * out_len / row["wall_s"]
+            emit("lora", batch=batch, adapters=case, rank=16,
+                 output_tok_s=round(rates[case], 1), steps=row["steps"],
+                 step_execute_ms_p50=row["decode_execute_ms_p50"],
+                 mixed_over_none=round(rates[case] / rates["none"], 3))
+
+
+def _offline_run(engine, prompts, params, prefix, decode_tokens, loras=None):
     """The prompts through LLMEngine.step until all finish: per step, its bucket, device
-    seconds (dispatch or the step before's end to its tokens read) and the host's rest."""
+    seconds (dispatch or the step before's end to its tokens read) and the host's rest.
+    loras: request i runs loras[i % len(loras)] (None: no adapter)."""
     import numpy as np
 
     for i, prompt in enumerate(prompts):
-        engine.add_request(f"{prefix}-{i}", {"prompt_token_ids": prompt}, params, stream=False)
+        engine.add_request(f"{prefix}-{i}", {"prompt_token_ids": prompt}, params, stream=False,
+                           lora_request=loras[i % len(loras)] if loras else None)
     runner, dispatch_seconds = engine.runner, []
     real_dispatch = runner.dispatch
 
@@ -458,7 +503,7 @@ def _git_head():
 RUNNERS = {"env": stage_env, "check": _kernel_stage("check", ["check"]),
            "attention": _kernel_stage("attention", ["attention"]),
            "matmul": _kernel_stage("matmul", ["grouped_matmul", "stacked_matmul", "kv_write"]),
-           "engine": stage_engine, "speculative": stage_speculative}
+           "engine": stage_engine, "speculative": stage_speculative, "lora": stage_lora}
 
 
 # ---- the parent: stages in order, each under its timeout -------------------------------

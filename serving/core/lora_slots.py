@@ -46,9 +46,10 @@ class LoRASlots:
         self._writes: list[tuple[int, Any]] = []
 
     # ---- registry ------------------------------------------------------------------
-    def add(self, lora: LoRARequest) -> bool:
-        """Register (load and check now, on the caller's thread). False if it already is;
-        ValueError for a bad adapter or a name registered with another adapter."""
+    def add(self, lora: LoRARequest, packed=None) -> bool:
+        """Register (load and check now, on the caller's thread; `packed`: already packed,
+        as the device probe's random adapters are). False if it already is; ValueError
+        for a bad adapter or a name registered with another adapter."""
         known = self.registered.get(lora.lora_name)
         if known is not None:
             require(known == lora, "lora_name", lora.lora_name,
@@ -58,7 +59,7 @@ class LoRASlots:
         for other in self.registered.values():
             require(other.lora_int_id != lora.lora_int_id, "lora_int_id", lora.lora_int_id,
                     f"unique (adapter {other.lora_name!r} has it)")
-        self._keep(lora, self._load(lora))
+        self._keep(lora, self._load(lora) if packed is None else packed)
         self.registered[lora.lora_name] = lora
         return True
 

@@ -101,3 +101,10 @@ def test_dry_run_with_quantised_weights_and_formats_of_the_grouped_matmul(tmp_pa
     assert engine["quantization"] == "fp8" and engine["weight_gb"] > 0
     offline = [(r["quantization"], r["loop"]) for r in rows if r["stage"] == "offline"]
     assert offline == [("fp8", "overlapped")]
+
+
+def test_dry_run_of_the_lora_stage(tmp_path):
+    # When asked: decode with no adapter, then 8 adapters mixed, in one engine.
+    rows = [r for r in run_probe(tmp_path, "--stages", "lora") if r["stage"] == "lora"]
+    assert [(r["batch"], r["adapters"]) for r in rows] == [(8, "none"), (8, "mixed_8")]
+    assert all(r["output_tok_s"] > 0 and r["mixed_over_none"] > 0 for r in rows)
