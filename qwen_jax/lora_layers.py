@@ -102,7 +102,19 @@ def add_lora(y, x, module, name: str, layer, groups: LoRAGroups | None, rt, *,
     b = getattr(module, f"{name}_b")[...]
     b = b.reshape(*b.shape[:3], -1)                           # [X, S, R', N]
     op = lora_matmul_reference if xla else lora_op(rt)
-    return y + op(x, a[...], b, layer, groups)
+    a = a[...]
+    return when_active(groups, rt, lambda: y + op(x, a, b, layer, groups), lambda: y)
+
+
+def when_active(groups: LoRAGroups, rt, with_lora, without):
+    """with_lora(), or without() when no row of the step has an adapter, by a lax.cond on
+    the CPU's reference path (the reference computes every slot's update densely). The
+    kernels skip rows without an adapter by themselves, and a GPU pays a round trip per
+    cond: there, with_lora() always."""
+    if rt.impl != "reference":
+        return with_lora()
+    return jax.lax.platform_dependent(
+        cpu=lambda: jax.lax.cond(groups.active, with_lora, without), default=with_lora)
 
 
 @jax.tree_util.register_dataclass

@@ -20,7 +20,7 @@ from pallas_kernels.lora import LoRAGroups
 from pallas_kernels.quantized import at, dequantize, merge_pair
 from qwen_jax.attention import matmul_op
 from qwen_jax.layers import Linear, Runtime, init_param, init_weight, no_quant, stored_weight
-from qwen_jax.lora_layers import ExpertLoRA, add_lora
+from qwen_jax.lora_layers import ExpertLoRA, add_lora, when_active
 from qwen_jax.sharding import weight_specs
 
 
@@ -225,8 +225,12 @@ class SparseMoE(nnx.Module):
         local = functools.partial(moe_local, top_k=self.top_k, gmm=gmm, gather_ok=gather_ok,
                                   lora_op=rt.kernels.lora_matmul)
         if rt.mesh is None:
-            return local(x, valid, weights, ids, gate_up, down, layer, first_expert=0,
-                         lora=adapters)
+            def run(adapters):
+                return local(x, valid, weights, ids, gate_up, down, layer, first_expert=0,
+                             lora=adapters)
+            if adapters is None or lora is None:
+                return run(None)
+            return when_active(lora, rt, lambda: run(adapters), lambda: run(None))
 
         def sharded(x, valid, weights, ids, gate_up, down, layer, adapters):
             # Tokens arrive replicated; each device runs its experts' F-slice and the

@@ -31,6 +31,7 @@ class LoRAGroups:
     ids: jax.Array    # int32[M] group of each row; num_groups: no adapter
     order: jax.Array  # int32[M] rows sorted by group (stable), no-adapter rows last
     plan: GroupPlan   # the grouped matmuls' plan over the sorted rows
+    active: jax.Array  # bool[]: some row has an adapter
 
     @property
     def num_groups(self) -> int:
@@ -46,7 +47,7 @@ def lora_groups(ids: Int[Array, " M"], num_groups: int) -> LoRAGroups:
     num_rows = ids.shape[0]
     block_m = gmm_tuning.block_m_for(num_rows=num_rows, num_groups=num_groups)
     plan = plan_groups(ends, num_rows=num_rows, block_m=block_m)
-    return LoRAGroups(ids=ids, order=order, plan=plan)
+    return LoRAGroups(ids=ids, order=order, plan=plan, active=jnp.any(ids < num_groups))
 
 
 def lora_matmul(x: Float[Array, "M K"], a: Float[Array, "X G K R"],
