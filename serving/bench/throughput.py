@@ -15,7 +15,8 @@ def random_token_prompts(vocab_size: int, num_prompts: int, input_len: int, seed
             for _ in range(num_prompts)]
 
 
-def bench_throughput(args, engine_kwargs: dict) -> dict:
+def bench_throughput(args, engine_kwargs: dict, lora_requests=()) -> dict:
+    """`lora_requests` (`--lora-modules`): the requests take them in turn (none: the base)."""
     from serving.core.request import SamplingParams
     from serving.entrypoints.llm import LLM
 
@@ -38,13 +39,15 @@ def bench_throughput(args, engine_kwargs: dict) -> dict:
     params = SamplingParams(temperature=1.0, top_p=1.0, max_tokens=args.output_len,
                             ignore_eos=True)
     started = time.perf_counter()
-    outputs = llm.generate(prompts, params, use_tqdm=args.progress)
+    loras = list(lora_requests or ())
+    outputs = llm.generate(prompts, params, use_tqdm=args.progress, lora_request=[
+        loras[i % len(loras)] for i in range(len(prompts))] if loras else None)
     elapsed = time.perf_counter() - started
     num_prompt = sum(len(o.prompt_token_ids) for o in outputs)
     num_output = sum(len(c.token_ids) for o in outputs for c in o.outputs)
     stats = engine.stats()
     report = {"num_requests": len(outputs), "input_len": args.input_len,
-              "output_len": args.output_len, "elapsed_time": elapsed,
+              "output_len": args.output_len, "num_loras": len(loras), "elapsed_time": elapsed,
               "requests_per_second": len(outputs) / elapsed,
               "tokens_per_second": (num_prompt + num_output) / elapsed,
               "output_tokens_per_second": num_output / elapsed,

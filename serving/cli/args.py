@@ -5,6 +5,7 @@ from __future__ import annotations
 import argparse
 
 from qwen_jax.options import KV_CACHE_DTYPES, LOAD_FORMATS, PARAM_DTYPES, QUANTIZATION_METHODS
+from serving.cli.lora_args import LORA_ENGINE_ARG_NAMES, add_lora_args
 from serving.core.config import POLICIES
 
 
@@ -69,6 +70,7 @@ def add_engine_args(parser: argparse.ArgumentParser) -> None:
                         "holding a generation_config.json")
     add_scheduling_args(parser)
     add_parallel_args(parser)
+    add_lora_args(parser)
 
 
 def add_scheduling_args(parser: argparse.ArgumentParser) -> None:
@@ -139,7 +141,7 @@ ENGINE_ARG_NAMES = (
     "enable_prefix_caching", "max_waiting", "token_buckets", "seq_buckets",
     "async_scheduling", "stream_interval", "compilation_cache_dir", "precompile",
     "tensor_parallel_size", "expert_parallel_size", "data_parallel_size",
-    "generation_config", "speculative_config", *SCHEDULING_ARG_NAMES)
+    "generation_config", "speculative_config", *SCHEDULING_ARG_NAMES, *LORA_ENGINE_ARG_NAMES)
 
 
 def engine_kwargs(args: argparse.Namespace) -> dict:

@@ -97,7 +97,7 @@ def _run_generate(args) -> int:
                             engine_kwargs={**engine_kwargs(args), "show_progress": args.progress},
                             default_sampling=sampling,
                             errors_path=args.errors, progress=args.progress,
-                            base_seed=args.seed)
+                            base_seed=args.seed, lora_modules=args.lora_modules)
     print(json.dumps(summary))
     return 0
 
@@ -136,7 +136,8 @@ def _run_bench_serve(args) -> int:
 def _run_bench_throughput(args) -> int:
     from serving.bench.throughput import bench_throughput
     from serving.cli.args import engine_kwargs
-    bench_throughput(args, {**engine_kwargs(args), "show_progress": args.progress})
+    bench_throughput(args, {**engine_kwargs(args), "show_progress": args.progress},
+                     lora_requests=args.lora_modules)
     return 0
 
 
@@ -176,6 +177,9 @@ def _add_serve(subparsers) -> None:
                    help="step the engine in a process of its own, as vLLM's engine core, so "
                         "the HTTP handlers and the engine loop do not share one GIL "
                         "(multi-host leaders step in their own process)")
+    p.add_argument("--allow-runtime-lora-updating", action="store_true",
+                   help="serve POST /v1/load_lora_adapter and /v1/unload_lora_adapter (also "
+                        "on with VLLM_ALLOW_RUNTIME_LORA_UPDATING=True, as vLLM's)")
     add_engine_args(p)
     p.set_defaults(func=_run_serve)
 
@@ -284,7 +288,10 @@ def main(argv: list[str] | None = None) -> int:
 
     Multi-host (`--coordinator-address`): every process joins `jax.distributed`; process 0
     runs the command (and its scheduler), the others follow its steps until it stops."""
-    args = build_parser().parse_args(argv)
+    from serving.cli.lora_args import check_lora_args
+    parser = build_parser()
+    args = parser.parse_args(argv)
+    check_lora_args(parser, args)
     if getattr(args, "coordinator_address", None) is None:
         return args.func(args)
     from serving.engine.multihost import run_multihost

@@ -24,6 +24,7 @@ import uuid
 from collections.abc import AsyncIterator, Callable
 from typing import Any
 
+from serving.core.lora_request import LoRARequest
 from serving.core.request import RequestMetrics, RequestOutput, RequestOutputKind, SamplingParams
 from serving.engine.config import one_replica_config
 from serving.engine.exceptions import EngineDeadError, RequestFailedError
@@ -85,12 +86,14 @@ class EngineClient:
         return len(self._streams)
 
     async def generate(self, prompt, sampling_params: SamplingParams | None = None,
-                       request_id: str | None = None, *, priority: int = 0
+                       request_id: str | None = None, *, priority: int = 0,
+                       lora_request: LoRARequest | None = None
                        ) -> AsyncIterator[RequestOutput]:
         """Stream the request's RequestOutputs until it finishes, each as its
         `output_kind` says (cumulative by default; the server asks for DELTA); what waited
         for a reader that fell behind comes as one (`RequestOutput.add`). Leaving the
-        loop early (or cancelling the task) aborts the request and frees its pages."""
+        loop early (or cancelling the task) aborts the request and frees its pages.
+        `lora_request`: the adapter it runs with (registered on first use; None: the base)."""
         request_id = request_id or uuid.uuid4().hex
         # The stream is registered before the engine sees the request (its first output
         # must find it), so a second one must not replace it: the engine's check is too late.
@@ -108,7 +111,8 @@ class EngineClient:
         later = None  # an error taken from the queue behind outputs: raised after them
         try:
             await asyncio.wrap_future(self._request("add_request", request_id, prompt,
-                                                    sampling_params, priority=priority))
+                                                    sampling_params, priority=priority,
+                                                    lora_request=lora_request))
             while True:
                 if later is None:
                     item = await queue.get()
@@ -141,6 +145,18 @@ class EngineClient:
         stream = self._streams.get(request_id)
         if final is not None and stream is not None:
             stream.put(self._final_output(stream, final))
+
+    async def add_lora(self, lora_request: LoRARequest) -> bool:
+        """Register an adapter (loaded and checked by the engine; ValueError naming the
+        field if it is bad). False if it already was."""
+        return await asyncio.wrap_future(self._request("add_lora", lora_request))
+
+    async def remove_lora(self, lora_name: str) -> bool:
+        """Unregister an adapter (requests using it finish with it); False if unknown."""
+        return await asyncio.wrap_future(self._request("remove_lora", lora_name))
+
+    async def list_loras(self) -> list[LoRARequest]:
+        return await asyncio.wrap_future(self._request("list_loras"))
 
     async def wait_until_idle(self, timeout: float) -> bool:
         """True when no request is left within `timeout` seconds."""

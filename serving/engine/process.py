@@ -55,7 +55,8 @@ from serving.engine.wire import (
 logger = logging.getLogger(__name__)
 
 # Calls the API process may make; anything else is refused by the engine process.
-CALLS = ("add_request", "abort", "has_unfinished_requests")
+CALLS = ("add_request", "abort", "has_unfinished_requests", "add_lora", "remove_lora",
+         "list_loras")
 STARTUP_TIMEOUT_S = 3600.0  # a large checkpoint loads and compiles within this
 
 

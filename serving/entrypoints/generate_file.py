@@ -1,7 +1,8 @@
 """`qwen-jax generate`: offline generation over a JSONL file; resumable, crash-safe, incremental.
 
 Input lines: {"id": ..., "prompt": text | [token ids]} or {"id": ..., "messages": [...]},
-plus optional SamplingParams fields, `chat_template_kwargs` and `metadata` (echoed back).
+plus optional SamplingParams fields, `chat_template_kwargs`, `metadata` (echoed back) and
+`lora` (an adapter: serving/entrypoints/line_adapters.py).
 Every result is one line written with a single `os.write` on an O_APPEND descriptor and
 fsync'd, so a kill at any moment leaves whole lines plus at most one torn tail, which the
 next run truncates before it collects the ids already done.
@@ -14,16 +15,19 @@ import json
 import os
 import time
 import zlib
-from collections.abc import Iterator
+from collections.abc import Iterator, Sequence
 from pathlib import Path
 from typing import Any
 
+from serving.core.lora_request import LoRARequest
 from serving.core.request import SAMPLING_FIELDS, RequestOutput, SamplingParams
+from serving.entrypoints.line_adapters import LineAdapters
 from serving.entrypoints.llm import LLM
 
 # A file's records get their final outputs only, so output_kind is not one of its fields.
 LINE_SAMPLING_FIELDS = frozenset(SAMPLING_FIELDS) - {"output_kind"}
-OTHER_FIELDS = frozenset({"id", "prompt", "messages", "chat_template_kwargs", "metadata"})
+OTHER_FIELDS = frozenset({"id", "prompt", "messages", "chat_template_kwargs", "metadata",
+                          "lora"})
 
 
 class JsonlAppender:
@@ -74,6 +78,7 @@ class InputLine:
     prompt: dict  # {"prompt": text} or {"prompt_token_ids": [...]} for the engine
     sampling_params: SamplingParams
     metadata: object = None
+    lora_request: LoRARequest | None = None
 
     @property
     def key(self) -> str:
@@ -92,7 +97,7 @@ def _derived_seed(base_seed: int, item_id: str) -> int:
 
 
 def parse_line(raw: str, line_no: int, tokenizer, default_sampling: dict,
-               base_seed: int | None) -> InputLine:
+               base_seed: int | None, adapters: LineAdapters | None = None) -> InputLine:
     """One input line -> InputLine; raises BadLine with the reason."""
     try:
         obj = json.loads(raw)
@@ -104,8 +109,10 @@ def parse_line(raw: str, line_no: int, tokenizer, default_sampling: dict,
     if not isinstance(item_id, (str, int)) or isinstance(item_id, bool) or item_id == "":
         raise BadLine(f"missing or invalid 'id' (a non-empty string or int), got {item_id!r}")
     try:
-        return _parse_fields(obj, line_no, tokenizer, default_sampling, base_seed)
-    except BadLine as e:
+        item = _parse_fields(obj, line_no, tokenizer, default_sampling, base_seed)
+        item.lora_request = (adapters or LineAdapters()).resolve(obj.get("lora"))
+        return item
+    except ValueError as e:
         raise BadLine(str(e), item_id) from None
 
 
@@ -114,7 +121,7 @@ def _parse_fields(obj: dict, line_no: int, tokenizer, default_sampling: dict,
     unknown = sorted(set(obj) - OTHER_FIELDS - LINE_SAMPLING_FIELDS)
     if unknown:
         raise BadLine(f"unknown field(s) {unknown}; allowed: id, prompt, messages, "
-                      "chat_template_kwargs, metadata and SamplingParams fields but "
+                      "chat_template_kwargs, metadata, lora and SamplingParams fields but "
                       "output_kind (a record gets its final output)")
     prompt = _engine_prompt(obj, tokenizer)
     fields = {**default_sampling, **{k: v for k, v in obj.items() if k in LINE_SAMPLING_FIELDS}}
@@ -185,8 +192,8 @@ class _FileRun:
     """State of one pass over the input: what is done, in flight, and reported."""
 
     def __init__(self, engine, input_path: Path, output: JsonlAppender, errors: JsonlAppender,
-                 default_sampling: dict, base_seed: int | None):
-        self.engine, self.input_path = engine, input_path
+                 default_sampling: dict, base_seed: int | None, adapters: LineAdapters):
+        self.engine, self.input_path, self.adapters = engine, input_path, adapters
         self.output, self.errors = output, errors
         self.default_sampling, self.base_seed = default_sampling, base_seed
         self.done = {str(r["id"]) for r in output.recover() if "id" in r}
@@ -205,7 +212,7 @@ class _FileRun:
                 self.counts["num_lines"] += 1
                 try:
                     item = parse_line(raw, line_no, self.engine.tokenizer,
-                                      self.default_sampling, self.base_seed)
+                                      self.default_sampling, self.base_seed, self.adapters)
                     if item.key in self.seen:
                         raise BadLine(f"duplicate id {item.id!r}", item.id)
                 except BadLine as e:
@@ -226,7 +233,8 @@ class _FileRun:
 
     def submit(self, item: InputLine, bar) -> None:
         try:
-            self.engine.add_request(item.key, item.prompt, item.sampling_params, stream=False)
+            self.engine.add_request(item.key, item.prompt, item.sampling_params, stream=False,
+                                    lora_request=item.lora_request)
         except ValueError as e:  # too long a prompt, token ids outside the vocabulary, ...
             self.report(item.line_no, item.id, str(e), bar)
             return
@@ -267,13 +275,15 @@ class _FileRun:
 def generate_file(input, output, *, llm=None, model: str | None = None,
                   engine_kwargs: dict | None = None, default_sampling: dict | None = None,
                   errors_path=None, progress: bool = True, base_seed: int | None = None,
-                  max_in_flight: int | None = None) -> dict:
+                  max_in_flight: int | None = None,
+                  lora_modules: Sequence[LoRARequest] = ()) -> dict:
     """Generates a result line in `output` for every valid line of `input` not already there.
 
     Bad lines go to `errors_path` (default `<output>.errors.jsonl`, created only when
     needed) with their line number and reason. Without a `seed` of its own, a line samples
     with one derived from `base_seed` and its id, so a resumed run reproduces the killed
-    one. Returns counts, tokens and throughput of this run.
+    one. `lora_modules` are registered first (a bad one stops the run); a line's `lora`
+    names one of them or gives its own. Returns counts, tokens and throughput of this run.
     """
     from tqdm import tqdm
 
@@ -287,11 +297,14 @@ def generate_file(input, output, *, llm=None, model: str | None = None,
     if llm is None:
         llm = LLM(model, **(engine_kwargs or {}))
     engine = llm.llm_engine
+    for lora in lora_modules:
+        engine.add_lora(lora)
     max_in_flight = max_in_flight or 2 * engine.scheduler_config.max_num_seqs
     out, errs = JsonlAppender(output_path), JsonlAppender(errors_path)
     # the model's generation-config defaults, under the caller's
     defaults = {**engine.default_sampling, **(default_sampling or {})}
-    run = _FileRun(engine, input_path, out, errs, defaults, base_seed)
+    run = _FileRun(engine, input_path, out, errs, defaults, base_seed,
+                   LineAdapters(lora_modules))
     started = time.perf_counter()
     try:
         with tqdm(total=_count_lines(input_path), desc="generate", unit="req",

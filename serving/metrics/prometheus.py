@@ -21,6 +21,7 @@ from prometheus_client import CollectorRegistry, Counter, Gauge, Histogram, gene
 
 from serving.core.request import RequestOutput, SamplingParams
 from serving.metrics.collectors import OWN, EngineCollector, PlainCounter, TokenGaps
+from serving.metrics.lora_info import LoRAInfoCollector
 from serving.metrics.nvml import NvmlCollector, load_nvml
 from serving.metrics.step_cost import CostModel, DevicePeak, device_peak
 
@@ -99,6 +100,9 @@ class Metrics:
         self.http_responses = f.counter("http_responses", "HTTP responses by status code.",
                                         ["code"], own=True)
         self.registry.register(EngineCollector(llm, model_name, prefix))
+        self.lora_info = LoRAInfoCollector(llm, prefix) if "max_loras" in llm.stats() else None
+        if self.lora_info is not None:  # the engine serves LoRA adapters
+            self.registry.register(self.lora_info)
 
     def _request_metrics(self, f: _Factory, lengths: tuple[int, ...]) -> None:
         h = f.histogram
@@ -188,6 +192,8 @@ class Metrics:
             for then, count in previous.items():
                 observe(now - then, count)
         series = self._step_series
+        if self.lora_info is not None:
+            self.lora_info.on_step()
         series["iteration_tokens"].observe(step_info.get("num_tokens", 0))
         series["iteration_seqs"].observe(step_info.get("num_seqs", 0))
         series["iteration_new_seqs"].observe(step_info.get("num_admitted", 0))

@@ -23,6 +23,7 @@ from serving.entrypoints.openai import http_policy
 from serving.entrypoints.openai import protocol as proto
 from serving.entrypoints.openai.config import ServerConfig
 from serving.entrypoints.openai.errors import APIError, error_body
+from serving.entrypoints.openai.lora_routes import LoRAModels
 from serving.entrypoints.openai.outputs import Echo, Job, make_echo, merge, sse
 from serving.entrypoints.openai.responses import ResponseStore, create_response, get_response
 from serving.entrypoints.openai.structured_requests import reply_format
@@ -65,6 +66,7 @@ class OpenAIServer:
         self.responses = ResponseStore()  # the Responses API's stored responses
         self.num_active = 0  # handlers running: a dead engine's server exits once it is 0
         self.created = int(time.time())
+        self.loras = LoRAModels(self)  # the model names requests may give; /v1/models
 
     # ---- plumbing ----------------------------------------------------------------------
     @web.middleware
@@ -161,9 +163,8 @@ class OpenAIServer:
                                 "(--max-request-body-mb)", param="body") from None
         return proto.parse_json(data)
 
-    def _check_model(self, model: str | None) -> None:
-        if model is not None and model != self.model_name:
-            raise APIError(404, f"The model `{model}` does not exist.", param="model")
+    def _check_model(self, model: str | None):  # -> its LoRARequest (None: the base)
+        return self.loras.resolve(model)
 
     def _need_tokenizer(self):
         if self.tokenizer is None:
@@ -198,7 +199,7 @@ class OpenAIServer:
     async def completions(self, request: web.Request) -> web.StreamResponse:
         req = proto.parse_completion(await self._json(request), self.vocab_size,
                                      self.default_sampling)
-        self._check_model(req.model)
+        req.lora_request = self._check_model(req.model)
         self._note_unknown(request, req)
         await self._check_constraint(req)
         prompts = [p if isinstance(p, list) else await self._encode(p) for p in req.prompts]
@@ -207,7 +208,7 @@ class OpenAIServer:
 
     async def chat_completions(self, request: web.Request) -> web.StreamResponse:
         req = proto.parse_chat(await self._json(request), self.vocab_size, self.default_sampling)
-        self._check_model(req.model)
+        req.lora_request = self._check_model(req.model)
         self._note_unknown(request, req)
         reply = self._reply_format(req)
         await self._check_constraint(req)
@@ -264,14 +265,15 @@ class OpenAIServer:
                                     "token", param=prompt_param)
         params = [proto.sampling_params(req, len(ids), self.max_model_len, prompt_param)
                   for ids in prompts]
-        job = Job(kind=kind, request_id=f"{kind}-{request[REQUEST_ID]}", model=self.model_name,
-                  req=req, prompts=prompts, params=params, metrics=self.metrics,
-                  reply=reply or ReplyFormat(), echo=echo)
+        job = Job(kind=kind, request_id=f"{kind}-{request[REQUEST_ID]}",
+                  model=self.loras.model_name(req.lora_request), req=req, prompts=prompts,
+                  params=params, metrics=self.metrics, reply=reply or ReplyFormat(), echo=echo)
         request[LOG].update(prompt_tokens=sum(map(len, prompts)))
         # Engine ids stay unique even when clients reuse an X-Request-Id.
         engine_id = f"{job.request_id}-{uuid.uuid4().hex[:8]}"
         gens = [self.llm.generate({"prompt_token_ids": ids}, p,
-                                  request_id=f"{engine_id}-{i}", priority=req.priority)
+                                  request_id=f"{engine_id}-{i}", priority=req.priority,
+                                  lora_request=req.lora_request)
                 for i, (ids, p) in enumerate(zip(prompts, params))]
         outputs = merge(gens)
         try:
@@ -322,12 +324,6 @@ class OpenAIServer:
         return response
 
     # ---- other routes ------------------------------------------------------------------
-    async def models(self, request: web.Request) -> web.Response:
-        return web.json_response({"object": "list", "data": [{
-            "id": self.model_name, "object": "model", "created": self.created,
-            "owned_by": "qwen-jax", "root": str(self.llm.engine.model_path), "parent": None,
-            "max_model_len": self.max_model_len}]})
-
     async def health(self, request: web.Request) -> web.Response:
         if self.llm.dead is not None or self.draining:
             return web.Response(status=503)
@@ -385,12 +381,13 @@ def build_app(llm, config: ServerConfig | None = None) -> web.Application:
     app[STATE] = server
     app.cleanup_ctx.append(server.log_throughput)
     app.on_response_prepare.append(server.on_response_prepare)
+    app.on_startup.insert(0, server.loras.register_static)  # before anything starts
     app.add_routes([
         web.post("/v1/completions", server.completions),
         web.post("/v1/chat/completions", server.chat_completions),
         web.post("/v1/responses", functools.partial(create_response, server)),
         web.get("/v1/responses/{response_id}", functools.partial(get_response, server)),
-        web.get("/v1/models", server.models),
+        *server.loras.routes(),  # /v1/models; loading adapters at run time if allowed
         web.get("/health", server.health),
         web.get("/metrics", server.prometheus),
         web.post("/tokenize", server.tokenize),

@@ -7,6 +7,7 @@ import dataclasses
 from pathlib import Path
 
 from qwen_jax.validation import require
+from serving.core.lora_request import LoRARequest
 from serving.metrics.prometheus import METRICS_PREFIXES
 from serving.parsers.reasoning import reasoning_parser_class
 from serving.parsers.tool_parsers import tool_parser_class
@@ -32,6 +33,8 @@ class ServerConfig:
     allowed_origins: tuple[str, ...] = ()  # CORS: origins browsers may call from; "*" any
     metrics_prefix: str = "qwen_jax"
     enable_tokenizer_info_endpoint: bool = False  # GET /tokenizer_info (vLLM's option)
+    lora_modules: tuple[LoRARequest, ...] = ()  # adapters registered at start, by name
+    allow_runtime_lora_updating: bool = False  # POST /v1/load_lora_adapter, /v1/unload_...
 
     def __post_init__(self) -> None:
         require(0 <= self.port <= 65535, "port", self.port, "in [0, 65535]")
@@ -41,6 +44,9 @@ class ServerConfig:
         require(self.metrics_prefix in METRICS_PREFIXES, "metrics_prefix", self.metrics_prefix,
                 f"one of {', '.join(METRICS_PREFIXES)}")
         object.__setattr__(self, "allowed_origins", tuple(self.allowed_origins))
+        object.__setattr__(self, "lora_modules", tuple(self.lora_modules))
+        names = [lora.lora_name for lora in self.lora_modules]
+        require(len(set(names)) == len(names), "lora_modules", names, "distinct names")
         if self.reasoning_parser is not None:
             reasoning_parser_class(self.reasoning_parser)
         if self.tool_call_parser is not None:

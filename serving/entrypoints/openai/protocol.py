@@ -12,6 +12,7 @@ import json
 import math
 from typing import Any
 
+from serving.core.lora_request import LoRARequest
 from serving.core.request import (
     GENERATION_CONFIG_DEFAULTS,
     MAX_LOGPROBS,
@@ -187,6 +188,7 @@ class ParsedRequest:
     structured_field: str = ""  # the request field the constraint came from
     include_reasoning: bool = True
     unknown_fields: list[str] = dataclasses.field(default_factory=list)
+    lora_request: LoRARequest | None = None  # the adapter `model` names (the server's)
 
 
 def _read_sampling(body: dict, vocab_size: int, defaults: dict) -> dict:

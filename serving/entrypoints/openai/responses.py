@@ -227,7 +227,7 @@ class EventStream:
 async def create_response(server, request: web.Request) -> web.StreamResponse:
     """POST /v1/responses."""
     body = await server._json(request)
-    server._check_model(body.get("model"))
+    lora_request = server._check_model(proto.read_str(body, "model", None))
     previous = body.get("previous_response_id")
     if previous is not None and not isinstance(previous, str):
         raise APIError(400, "previous_response_id must be a string", param="previous_response_id")
@@ -235,10 +235,11 @@ async def create_response(server, request: web.Request) -> web.StreamResponse:
     store = proto.read_bool(body, "store", True)
     chat, conversation = chat_request(body, history)
     req = proto.parse_chat(chat, server.vocab_size, server.default_sampling)
+    req.lora_request = lora_request
     reply = server._reply_format(req)
     await server._check_constraint(req)
     ids = await server._render_chat(req.messages, req.tools, req.template_kwargs)
-    builder = ResponseBuilder(body, server.model_name)
+    builder = ResponseBuilder(body, server.loras.model_name(lora_request))
     job, first, outputs = await server._start(request, req, [ids], "resp", "input", reply)
     try:
         if req.stream:

@@ -11,6 +11,7 @@ import asyncio
 import logging
 import os
 import signal
+import sys
 import time
 
 from aiohttp import web
@@ -20,6 +21,7 @@ from serving.engine.process import MPAsyncLLM
 from serving.entrypoints.openai import http_policy
 from serving.entrypoints.openai.api_server import STATE, build_app
 from serving.entrypoints.openai.config import ServerConfig
+from serving.entrypoints.openai.lora_routes import LoRAStartupError, runtime_updating_allowed
 
 logger = logging.getLogger("qwen_jax.server")
 
@@ -118,11 +120,17 @@ def run(args, engine_kwargs: dict) -> int:
                           default_chat_template_kwargs=args.default_chat_template_kwargs,
                           allowed_origins=http_policy.parse_origins(args.allowed_origins),
                           metrics_prefix=args.metrics_prefix,
-                          enable_tokenizer_info_endpoint=args.enable_tokenizer_info_endpoint)
+                          enable_tokenizer_info_endpoint=args.enable_tokenizer_info_endpoint,
+                          lora_modules=args.lora_modules,
+                          allow_runtime_lora_updating=runtime_updating_allowed(
+                              args.allow_runtime_lora_updating))
     started = time.perf_counter()
     llm = start_engine(args, engine_kwargs)
     print(startup_report(llm, time.perf_counter() - started), flush=True)
     try:
         return asyncio.run(serve(llm, config))
+    except LoRAStartupError as exc:  # raised before the server accepts a request
+        print(f"error: {exc}", file=sys.stderr, flush=True)
+        return 1
     finally:
         llm.shutdown()
