@@ -235,6 +235,11 @@ def _add_plan(subparsers) -> None:
     p.add_argument("--block-size", type=int, default=16)
     p.add_argument("--quantization", "-q", default=None, choices=QUANTIZATION_METHODS,
                    help="weights in fp8 | int8 | awq (int4) (default: the checkpoint's)")
+    p.add_argument("--max-loras", type=int, default=0,
+                   help="LoRA adapter slots counted beside the weights (serve's --max-loras "
+                        "with --enable-lora; default 0: none)")
+    p.add_argument("--max-lora-rank", type=int, default=16,
+                   help="the rank each LoRA slot holds (16)")
     p.set_defaults(func=_run_plan)
 
 
@@ -247,7 +252,8 @@ def _run_plan(args) -> int:
                            expert_parallel_size=args.expert_parallel_size,
                            device_memory_bytes=int(args.device_memory_gb * 1e9),
                            gpu_memory_utilization=args.gpu_memory_utilization,
-                           block_size=args.block_size, quantization=args.quantization)
+                           block_size=args.block_size, quantization=args.quantization,
+                           max_loras=args.max_loras, max_lora_rank=args.max_lora_rank)
     except ValueError as exc:
         print(f"error: {exc}", file=sys.stderr)
         return 1

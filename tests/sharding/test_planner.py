@@ -59,6 +59,27 @@ def test_plan_command_prints_and_refuses(capsys):
     assert "cannot fit" in capsys.readouterr().err
 
 
+def test_lora_slots_are_counted_per_device_beside_the_weights(capsys):
+    # 30B, 8 slots at rank 16, bf16, per layer and slot: each of 128 experts holds gate/up
+    # A [2048, 2r] and block-diagonal B [2r, 2 x 768], down A [768, r] and B [r, 2048]
+    # (159,744 values); attention q/k/v A [2048, 3r] and B [3r, 4096 + 2 x 512], o A
+    # [4096, r] and B [r, 2048] (442,368); the router A [2048, r] and B [r, 128].
+    cfg = ModelConfig.from_hf("qwen3-30b-a3b")
+    experts, attention, router = 128 * 159_744, 442_368, 2048 * 16 + 16 * 128
+    per_slot = 48 * (experts + attention + router) * 2
+    one = plan_memory(cfg, device_memory_bytes=H200)
+    tp1 = plan_memory(cfg, device_memory_bytes=H200, max_loras=8, max_lora_rank=16)
+    assert tp1.lora_bytes_per_device == 8 * per_slot              # 16.07 GB
+    assert tp1.weight_bytes_per_device == one.weight_bytes_per_device
+    assert tp1.num_pages == (tp1.usable_bytes - tp1.weight_bytes_per_device
+                             - tp1.lora_bytes_per_device) // tp1.kv_bytes_per_page_per_device
+    ep8 = plan_memory(cfg, device_memory_bytes=H200, expert_parallel_size=8, max_loras=8)
+    # the experts' factors split over the 8 expert shards, the rest replicated
+    assert ep8.lora_bytes_per_device == 8 * 48 * (experts // 8 + attention + router) * 2
+    assert main(["plan", "--model", "qwen3-30b-a3b", "--max-loras", "8"]) == 0
+    assert "LoRA slots 16.07 GB/device" in capsys.readouterr().out
+
+
 def test_235b_fp8_on_4_h200_fits_with_the_quantised_bytes():
     bf16 = weight_bytes_per_device(ModelConfig.from_hf("qwen3-235b-a22b"), "bfloat16", 4, 1)
     plan = plan_memory(ModelConfig.from_hf("qwen3-235b-a22b"), dtype="bfloat16",
