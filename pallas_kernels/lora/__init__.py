@@ -68,8 +68,9 @@ def lora_matmul(x: Float[Array, "M K"], a: Float[Array, "X G K R"],
 
 # Up to this many columns (groups x rank) the reference multiplies every row by every
 # group's A and masks (XLA dots, which shard under a mesh); past it (the experts' (adapter,
-# expert) groups) it gathers each row's factors.
-DENSE_COLUMNS = 4096
+# expert) groups) it gathers each row's factors, the cheaper on a CPU there (docs/benchmarks.md,
+# "Multi-LoRA").
+DENSE_COLUMNS = 512
 
 
 def lora_matmul_reference(x: Float[Array, "M K"], a: Float[Array, "X G K R"],
