@@ -180,8 +180,23 @@ def _add_serve(subparsers) -> None:
     p.add_argument("--allow-runtime-lora-updating", action="store_true",
                    help="serve POST /v1/load_lora_adapter and /v1/unload_lora_adapter (also "
                         "on with VLLM_ALLOW_RUNTIME_LORA_UPDATING=True, as vLLM's)")
+    _add_data_parallel_args(p)
     add_engine_args(p)
     p.set_defaults(func=_run_serve)
+
+
+def _add_data_parallel_args(p) -> None:
+    from serving.engine.data_parallel import ROUTING_POLICIES
+    g = p.add_argument_group("data parallel serving (--data-parallel-size > 1)")
+    g.add_argument("--data-parallel-routing", default="prefix", choices=ROUTING_POLICIES,
+                   help="which replica takes a request: prefix (the one holding its leading "
+                        "KV pages, unless it is busier than the least loaded by more than "
+                        "max(4, half its load)), least_loaded, round_robin (default prefix)")
+    g.add_argument("--max-replica-restarts", type=int, default=3,
+                   help="times in a row a dead replica is started again before it stays "
+                        "down (3); the server exits once every replica is down")
+    g.add_argument("--replica-restart-backoff", type=float, default=2.0,
+                   help="seconds before a dead replica's first restart, doubled per try (2)")
 
 
 def _json_object(text: str) -> dict:

@@ -4,7 +4,7 @@ from __future__ import annotations
 
 from typing import Protocol
 
-from serving.core.page_pool import Page, PagePool, hash_page_tokens, root_hash
+from serving.core.page_pool import Page, PagePool, hash_page_tokens, lora_seed, root_hash
 from serving.core.request import Request
 
 
@@ -138,9 +138,7 @@ class KVCacheManager:
         hashes = request.page_hashes
         bs = self.page_size
         num_pages = min(num_pages, request.num_tokens // bs)
-        lora = request.lora_request
         for i in range(len(hashes), num_pages):
-            parent = hashes[i - 1] if i else root_hash(
-                None if lora is None else f"lora:{lora.lora_int_id}:{lora.lora_path}")
+            parent = hashes[i - 1] if i else root_hash(lora_seed(request.lora_request))
             hashes.append(hash_page_tokens(parent, request.tokens(i * bs, (i + 1) * bs)))
         return hashes

@@ -39,6 +39,25 @@ def root_hash(seed: str | None) -> int:
     return int.from_bytes(hashlib.blake2b(seed.encode(), digest_size=16).digest(), "little")
 
 
+def lora_seed(lora_request) -> str | None:
+    """The root-hash seed of a request's adapter (a LoRARequest, or None: the base)."""
+    if lora_request is None:
+        return None
+    return f"lora:{lora_request.lora_int_id}:{lora_request.lora_path}"
+
+
+def prompt_page_hashes(token_ids: Sequence[int], page_size: int,
+                       seed: str | None = None) -> list[int]:
+    """The chained hashes of the full pages of `token_ids`, as the prefix cache keys them
+    (the data-parallel router matches requests to replicas by them)."""
+    hashes: list[int] = []
+    parent = root_hash(seed)
+    for start in range(0, len(token_ids) - page_size + 1, page_size):
+        parent = hash_page_tokens(parent, token_ids[start:start + page_size])
+        hashes.append(parent)
+    return hashes
+
+
 class Page:
     """One KV page. `token_ids` is kept so a hash hit can be verified."""
 

@@ -104,11 +104,12 @@ def engine_config_from_kwargs(model=None, **kwargs) -> EngineConfig:
 
 
 def one_replica_config(model: str | None, **kwargs) -> EngineConfig:
-    """The EngineConfig of an async engine's keyword arguments: one replica (a server runs
-    one; data parallelism is several servers behind a load balancer)."""
+    """The EngineConfig of an async engine's keyword arguments: one replica (data
+    parallelism behind one server is serving/engine/data_parallel.py's DPAsyncLLM)."""
     config = engine_config_from_kwargs(model, **kwargs)
     if config.parallel.data_parallel_size > 1:
         raise ValueError(
-            f"data_parallel_size={config.parallel.data_parallel_size}: a server runs "
-            "one replica; start one per replica and put a load balancer in front")
+            f"data_parallel_size={config.parallel.data_parallel_size}: one engine runs one "
+            "replica; DPAsyncLLM (qwen-jax serve --data-parallel-size) runs an engine "
+            "process per replica")
     return config

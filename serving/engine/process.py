@@ -66,16 +66,17 @@ class MPAsyncLLM(EngineClient):
     `EngineInfo`: the engine's settings, not the engine."""
 
     def __init__(self, model: str | None = None, *, engine_hook: tuple | None = None,
-                 **kwargs):
+                 env: dict[str, str] | None = None, **kwargs):
         """`kwargs`: AsyncLLM's engine arguments. `engine_hook`: (module, function, args),
         called as function(engine, *args) in the engine process once the engine is built
-        (the benchmarks put a fake device in with it)."""
+        (the benchmarks put a fake device in with it). `env`: variables set in the engine
+        process (a data-parallel replica's CUDA_VISIBLE_DEVICES)."""
         config = one_replica_config(model, **kwargs)  # bad arguments fail here
         # A fresh interpreter (no forked jax state, no re-import of the caller's __main__),
         # one end of a socket pair as its pipe, the config as its first message.
         self._send_lock = threading.Lock()
         parent, child = socket.socketpair()
-        env = dict(os.environ)
+        env = {**os.environ, **(env or {})}
         root = str(Path(__file__).resolve().parent.parent)  # serving/ importable there too
         env["PYTHONPATH"] = os.pathsep.join(filter(None, (root, env.get("PYTHONPATH"))))
         self._process = subprocess.Popen(
@@ -115,6 +116,11 @@ class MPAsyncLLM(EngineClient):
             raise payload
         self._stats = stats
         return payload
+
+    @property
+    def pid(self) -> int:
+        """The engine process's id."""
+        return self._process.pid
 
     def shutdown(self) -> None:
         if self._process.poll() is None:

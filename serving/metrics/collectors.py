@@ -12,44 +12,57 @@ OWN = "qwen_jax"  # the prefix of metrics vLLM has no counterpart of
 
 
 class EngineCollector:
-    """Gauges and cumulative counters straight from the engine's stats snapshot."""
+    """Gauges and cumulative counters straight from the engine's stats snapshot; with
+    data-parallel replicas (serving/engine/data_parallel.py) one series per replica,
+    labelled `engine="i"` as vLLM labels its engine cores."""
 
     def __init__(self, llm, model_name: str, prefix: str):
-        self.llm, self.labels, self.prefix = llm, {"model_name": model_name}, prefix
+        self.llm, self.model_name, self.prefix = llm, model_name, prefix
+        per_replica = hasattr(llm, "replica_stats")
+        self.labels = ["model_name", "engine"] if per_replica else ["model_name"]
 
-    def _family(self, cls, name: str, doc: str, value: float, prefix: str | None = None):
-        family = cls(f"{prefix or self.prefix}:{name}", doc, labels=list(self.labels))
-        family.add_metric(list(self.labels.values()), value)
+    def rows(self) -> list[tuple[list[str], dict, bool]]:
+        """(label values, stats, dead) per engine."""
+        if len(self.labels) == 1:
+            return [([self.model_name], self.llm.stats(),
+                     getattr(self.llm, "dead", None) is not None)]
+        return [([self.model_name, str(i)], stats, not serving)
+                for i, serving, stats in self.llm.replica_stats() if stats]
+
+    def _family(self, cls, name: str, doc: str, key: str, prefix: str | None = None,
+                rows=None):
+        family = cls(f"{prefix or self.prefix}:{name}", doc, labels=self.labels)
+        for values, stats, dead in rows:
+            family.add_metric(values, float(dead) if key == "dead" else stats[key])
         return family
 
     def collect(self):
-        s = self.llm.stats()
+        rows = self.rows()
         g, c = GaugeMetricFamily, CounterMetricFamily
-        yield self._family(g, "num_requests_running", "Requests in model execution batches.",
-                           s["num_running"])
-        yield self._family(g, "num_requests_waiting", "Requests waiting to be processed.",
-                           s["num_waiting"])
-        yield self._family(g, "kv_cache_usage_perc", "KV-cache usage. 1 means 100 percent.",
-                           s["kv_cache_usage"])
-        yield self._family(c, "prefix_cache_queries", "Prefix cache queries, in tokens.",
-                           s["prefix_cache_queries"])
-        yield self._family(c, "prefix_cache_hits", "Prefix cache hits, in tokens.",
-                           s["prefix_cache_hits"])
-        yield self._family(c, "num_preemptions", "Cumulative number of preemptions.",
-                           s["num_preemptions"])
-        yield self._family(c, "num_compiles", "XLA compilations of the model step.",
-                           s["num_compiles"], OWN)
-        yield self._family(g, "kv_cache_used_pages", "KV pages held by requests.",
-                           s["num_used_pages"], OWN)
-        yield self._family(g, "kv_cache_total_pages", "KV pages in the cache.",
-                           s["num_total_pages"], OWN)
-        yield self._family(g, "engine_dead", "1 once a failed step has killed the engine.",
-                           float(getattr(self.llm, "dead", None) is not None), OWN)
-        yield from scheduling_families(self, s)
-        yield from spec_decode_families(self, s)
+        for cls, name, doc, key, prefix in (
+                (g, "num_requests_running", "Requests in model execution batches.",
+                 "num_running", None),
+                (g, "num_requests_waiting", "Requests waiting to be processed.",
+                 "num_waiting", None),
+                (g, "kv_cache_usage_perc", "KV-cache usage. 1 means 100 percent.",
+                 "kv_cache_usage", None),
+                (c, "prefix_cache_queries", "Prefix cache queries, in tokens.",
+                 "prefix_cache_queries", None),
+                (c, "prefix_cache_hits", "Prefix cache hits, in tokens.", "prefix_cache_hits",
+                 None),
+                (c, "num_preemptions", "Cumulative number of preemptions.", "num_preemptions",
+                 None),
+                (c, "num_compiles", "XLA compilations of the model step.", "num_compiles", OWN),
+                (g, "kv_cache_used_pages", "KV pages held by requests.", "num_used_pages", OWN),
+                (g, "kv_cache_total_pages", "KV pages in the cache.", "num_total_pages", OWN),
+                (g, "engine_dead", "1 once a failed step has killed the engine (a replica: "
+                 "while it is not serving).", "dead", OWN)):
+            yield self._family(cls, name, doc, key, prefix, rows)
+        yield from scheduling_families(self, rows)
+        yield from spec_decode_families(self, rows)
 
 
-def scheduling_families(collector: EngineCollector, s: dict):
+def scheduling_families(collector: EngineCollector, rows):
     """Self-protection and KV swap (vLLM v0's names for the swap gauges)."""
     g, c = GaugeMetricFamily, CounterMetricFamily
     for cls, name, doc, key in (
@@ -73,22 +86,24 @@ def scheduling_families(collector: EngineCollector, s: dict):
              "num_swap_ins"),
             (c, "num_recomputed_tokens", "Computed tokens discarded by recompute preemptions.",
              "num_recomputed_tokens")):
-        yield collector._family(cls, name, doc, s[key], OWN)
+        yield collector._family(cls, name, doc, key, OWN, rows)
 
 
-def spec_decode_families(collector: EngineCollector, s: dict):
+def spec_decode_families(collector: EngineCollector, rows):
     """Speculative decoding, vLLM's names: drafts (verify steps of a sequence with
     drafts), draft and accepted tokens, accepted tokens per draft position."""
     c = CounterMetricFamily
     for name, doc in (("num_drafts", "Verify steps of a sequence with draft tokens."),
                       ("num_draft_tokens", "Draft tokens verified."),
                       ("num_accepted_tokens", "Draft tokens accepted.")):
-        yield collector._family(c, f"spec_decode_{name}", doc, s[f"spec_decode_{name}"])
+        yield collector._family(c, f"spec_decode_{name}", doc, f"spec_decode_{name}",
+                                rows=rows)
     family = c(f"{collector.prefix}:spec_decode_num_accepted_tokens_per_pos",
                "Draft tokens accepted at each draft position.",
                labels=[*collector.labels, "position"])
-    for position, count in enumerate(s["spec_decode_num_accepted_tokens_per_pos"]):
-        family.add_metric([*collector.labels.values(), str(position)], count)
+    for values, stats, _ in rows:
+        for position, count in enumerate(stats["spec_decode_num_accepted_tokens_per_pos"]):
+            family.add_metric([*values, str(position)], count)
     yield family
 
 

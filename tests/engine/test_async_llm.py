@@ -137,8 +137,8 @@ async def test_bad_request_raises_to_the_caller_and_engine_keeps_serving(async_l
     assert outs[-1].finished
 
 
-def test_data_parallel_server_is_refused_with_advice(tiny_ckpt):
-    with pytest.raises(ValueError, match="data_parallel_size=2.*load balancer"):
+def test_one_async_engine_refuses_data_parallel_and_names_the_client_that_runs_it(tiny_ckpt):
+    with pytest.raises(ValueError, match="data_parallel_size=2.*DPAsyncLLM"):
         AsyncLLM(str(tiny_ckpt[0]), data_parallel_size=2, **ARGS)
 
 

@@ -325,9 +325,11 @@ class OpenAIServer:
 
     # ---- other routes ------------------------------------------------------------------
     async def health(self, request: web.Request) -> web.Response:
-        if self.llm.dead is not None or self.draining:
-            return web.Response(status=503)
-        return web.Response(status=200)
+        """200 while serving; with data-parallel replicas each one's state (200 while any
+        serves)."""
+        ok, body = self.llm.health() if hasattr(self.llm, "health") else (True, None)
+        status = 200 if ok and self.llm.dead is None and not self.draining else 503
+        return web.json_response(body, status=status) if body else web.Response(status=status)
 
     async def prometheus(self, request: web.Request) -> web.Response:
         return web.Response(body=self.metrics.render(), headers={"Content-Type": CONTENT_TYPE})

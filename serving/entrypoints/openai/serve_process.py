@@ -17,6 +17,7 @@ import time
 from aiohttp import web
 
 from serving.engine.async_llm import AsyncLLM
+from serving.engine.data_parallel import DPAsyncLLM
 from serving.engine.process import MPAsyncLLM
 from serving.entrypoints.openai import http_policy
 from serving.entrypoints.openai.api_server import STATE, build_app
@@ -33,9 +34,11 @@ def startup_report(llm, seconds: float) -> str:
     compiled = (f"compiled {len(pairs)} (tokens, seqs) buckets in {engine.compile_seconds:.1f} s"
                 if engine.config.precompile else f"{len(pairs)} buckets compile on first use "
                                                  "(--no-precompile)")
+    replicas = getattr(llm, "replicas", ())
+    across = f" across {len(replicas)} data-parallel replicas" if replicas else ""
     return (f"model {engine.model_path} loaded in {engine.load_seconds:.1f} s; {compiled}; "
             f"KV cache: {stats['kv_capacity_tokens']:,} tokens in {stats['num_total_pages']:,} "
-            f"pages of {engine.page_size}; max_model_len {engine.max_model_len}; "
+            f"pages of {engine.page_size}{across}; max_model_len {engine.max_model_len}; "
             f"ready in {seconds:.1f} s")
 
 
@@ -94,11 +97,24 @@ async def drain(app, runner, site, llm, timeout: float) -> None:
 
 def start_engine(args, engine_kwargs: dict):
     """The engine behind the server: in a process of its own (`--engine-process`, the
-    default) or on a thread of this one (multi-host leaders: the engine must step in the
-    process that joined jax.distributed)."""
-    if not args.engine_process or args.coordinator_address is not None:
+    default), one per replica with --data-parallel-size (serving/engine/data_parallel.py),
+    or on a thread of this one (multi-host leaders: the engine must step in the process
+    that joined jax.distributed)."""
+    dp = engine_kwargs.get("data_parallel_size", 1)
+    llm: DPAsyncLLM | MPAsyncLLM
+    if dp > 1:
+        if args.coordinator_address is not None or not args.engine_process:
+            raise ValueError(f"data_parallel_size={dp} runs an engine process per replica "
+                             "on one host: it needs --engine-process and no "
+                             "--coordinator-address (put hosts behind a load balancer: "
+                             "docs/deploy.md)")
+        llm = DPAsyncLLM(args.model, data_parallel_routing=args.data_parallel_routing,
+                         max_restarts=args.max_replica_restarts,
+                         restart_backoff_s=args.replica_restart_backoff, **engine_kwargs)
+    elif not args.engine_process or args.coordinator_address is not None:
         return AsyncLLM(args.model, **engine_kwargs)
-    llm = MPAsyncLLM(args.model, **engine_kwargs)
+    else:
+        llm = MPAsyncLLM(args.model, **engine_kwargs)
     import jax  # nothing here may take a GPU's memory: the engine process has it
     jax.config.update("jax_platforms", "cpu")
     return llm
