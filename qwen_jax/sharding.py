@@ -128,6 +128,20 @@ class ParallelConfig:
                              f"{cfg.intermediate_size}")
 
 
+def pipeline_stages(num_layers: int, pipeline_parallel_size: int) -> list[range]:
+    """The layers of each pipeline stage, as vLLM splits them: num_layers // P each, and the
+    remainder one more each to the stages before the last, from the second-to-last back
+    (the first stage holds the embeddings, the last the lm head)."""
+    pp = pipeline_parallel_size
+    require(1 <= pp <= num_layers, "pipeline_parallel_size", pp,
+            f"in [1, num_hidden_layers={num_layers}]")
+    counts = [num_layers // pp] * pp
+    for i in range(num_layers % pp):
+        counts[-2 - i] += 1
+    starts = np.cumsum([0, *counts])
+    return [range(int(a), int(b)) for a, b in zip(starts[:-1], starts[1:])]
+
+
 def make_mesh(tensor_parallel_size: int = 1, expert_parallel_size: int = 1,
               devices=None) -> Mesh:
     """A (data=1, expert, model) mesh over the first EP x TP of `devices`.

@@ -244,6 +244,9 @@ def _add_plan(subparsers) -> None:
     p.add_argument("--dtype", default="bfloat16", choices=PARAM_DTYPES)
     p.add_argument("--tensor-parallel-size", "-tp", type=int, default=1)
     p.add_argument("--expert-parallel-size", "-ep", type=int, default=1)
+    p.add_argument("--pipeline-parallel-size", "-pp", type=int, default=1,
+                   help="pipeline stages of TP x EP devices, each holding its layers' "
+                        "weights and KV (sizing only: the engine runs one stage)")
     p.add_argument("--device-memory-gb", type=float, default=141.0,
                    help="memory of one device in GB (default: an H200's 141)")
     p.add_argument("--gpu-memory-utilization", type=float, default=0.9)
@@ -268,7 +271,8 @@ def _run_plan(args) -> int:
                            device_memory_bytes=int(args.device_memory_gb * 1e9),
                            gpu_memory_utilization=args.gpu_memory_utilization,
                            block_size=args.block_size, quantization=args.quantization,
-                           max_loras=args.max_loras, max_lora_rank=args.max_lora_rank)
+                           max_loras=args.max_loras, max_lora_rank=args.max_lora_rank,
+                           pipeline_parallel_size=args.pipeline_parallel_size)
     except ValueError as exc:
         print(f"error: {exc}", file=sys.stderr)
         return 1
