@@ -111,7 +111,9 @@ def stage_weight_bytes(cfg: ModelConfig, dtype, tp: int, ep: int, pp: int) -> li
         factor = math.prod(mesh.shape[a] for a in specs[path] if a is not None)
         size = math.prod(value.shape) // factor * _itemsize(value.dtype)
         if path[0] == "segments":  # [X, ...]: X consecutive layers, split by stage
-            _, first, count = cfg.segments[path[1]]
+            index = path[1]
+            assert isinstance(index, int), path
+            _, first, count = cfg.segments[index]
             for s, layers in enumerate(stages):
                 held = len(range(max(first, layers.start), min(first + count, layers.stop)))
                 totals[s] += size * held // count
