@@ -60,6 +60,12 @@ class EngineCollector:
             yield self._family(cls, name, doc, key, prefix, rows)
         yield from scheduling_families(self, rows)
         yield from spec_decode_families(self, rows)
+        if len(self.labels) > 1:  # data-parallel replicas: how often each was started again
+            family = c(f"{OWN}:engine_restarts", "Times the replica was started again after "
+                       "its engine process died.", labels=self.labels)
+            for replica in self.llm.replicas:
+                family.add_metric([self.model_name, str(replica.index)], replica.num_restarts)
+            yield family
 
 
 def scheduling_families(collector: EngineCollector, rows):

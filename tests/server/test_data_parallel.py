@@ -127,6 +127,10 @@ async def test_a_killed_replica_fails_its_requests_while_the_other_serves_then_s
         while dp_llm.replicas[1].state != "serving" and loop.time() < deadline + 120:
             await asyncio.sleep(0.1)
         assert dp_llm.replicas[1].state == "serving" and dp_llm.replicas[1].num_restarts == 1
+        async with s.get(dp_server.url + "/metrics") as r:
+            restarts = parse_values(await r.text())
+        assert [restarts[f'qwen_jax:engine_restarts_total{{engine="{i}",model_name="tiny"}}']
+                for i in "01"] == [0, 1]
         # the restarted replica answers: two at once, one each
         answers = await asyncio.gather(*(complete(s, dp_server.url, p, max_tokens=30,
                                                   ignore_eos=True) for p in PROMPTS[:2]))
