@@ -8,6 +8,7 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 from flax import nnx
+from jax.sharding import PartitionSpec
 
 import pallas_kernels
 from pallas_kernels.array_types import Array, Float, Int
@@ -102,6 +103,45 @@ def run_segment(stack: DecoderLayer, x, kv_cache, ctx: StepContext, rt, capture=
     return (x, kv_cache) if capture is None else (x, kv_cache, kept)
 
 
+def run_segment_staged(stack: DecoderLayer, x, kv_cache, ctx: StepContext, rt):
+    """`run_segment` over pipeline stages (the mesh's `stage` axis): each stage holds
+    X / PP of the segment's layers and their KV pages, and the stages take turns: in turn
+    r stage r runs its layers on the hidden states stage r - 1 passed it, then every stage
+    hands its hidden states to the next (ppermute). After PP turns the last stage's output
+    sits on stage 0, and one psum gives it to every stage.
+
+    Every stage computes in every turn (a collective inside a branch only some devices
+    take would stall the others'); out of its turn a stage writes its K/V to the padding
+    scratch page (slot 0 of each layer's pages) and its output is dropped, so each page
+    is written once, by its stage's turn. The stages' other axes (expert, model) stay
+    automatic: the layers' own shard_maps run inside on the context mesh."""
+    mesh = rt.mesh
+    pp = mesh.shape["stage"]
+    graphdef, state = nnx.split(stack)
+    shift = [(i, (i + 1) % pp) for i in range(pp)]
+
+    def staged(state, kv, x, ctx):
+        stage = jax.lax.axis_index("stage")
+        local = nnx.merge(graphdef, state)
+        inner = dataclasses.replace(rt, mesh=jax.sharding.get_abstract_mesh())
+        slots = ctx.meta.slot_mapping
+
+        def turn(r, carry):
+            h, kv = carry
+            mine = stage == r
+            meta = dataclasses.replace(ctx.meta, slot_mapping=jnp.where(mine, slots, 0))
+            out, kv = run_segment(local, h, kv, dataclasses.replace(ctx, meta=meta), inner)
+            return jax.lax.ppermute(jnp.where(mine, out, h), "stage", shift), kv
+
+        h, kv = jax.lax.fori_loop(0, pp, turn, (x, kv))
+        return jax.lax.psum(jnp.where(stage == 0, h, jnp.zeros_like(h)), "stage"), kv
+
+    stage_split, rep = PartitionSpec("stage"), PartitionSpec()
+    return jax.shard_map(staged, mesh=mesh, in_specs=(stage_split, stage_split, rep, rep),
+                         out_specs=(rep, stage_split), axis_names={"stage"},
+                         check_vma=False)(state, kv_cache, x, ctx)
+
+
 class Qwen3ForCausalLM(nnx.Module):
     """Qwen3 (dense) and Qwen3-MoE causal LM. HF names: embed_tokens <- model.embed_tokens,
     segments[s] <- model.layers[first:first+count], norm <- model.norm, lm_head <- lm_head."""
@@ -143,13 +183,17 @@ class Qwen3ForCausalLM(nnx.Module):
         x = self.embed_tokens[...][token_ids]  # [T, D]
         ctx = self.step_context(meta, positions, lora_slots)
         if self.aux_layers:
+            if sharding.pp_size(self.mesh) > 1:
+                raise ValueError("an EAGLE-3 head's hidden states are not kept across "
+                                 "pipeline stages: use pipeline_parallel_size=1 with eagle3")
             x, new_caches, aux = self._forward_capturing(x, kv_caches, ctx)
             flat = kv_caches[-1][0].reshape(-1, aux.shape[-1])  # [P * L, A]
             aux_cache = flat.at[meta.slot_mapping].set(aux.astype(flat.dtype))
             return self.norm(x), [*new_caches, (aux_cache.reshape(kv_caches[-1][0].shape),)]
         new_caches = []
+        run = run_segment_staged if sharding.pp_size(self.mesh) > 1 else run_segment
         for stack, kv in zip(self.segments, kv_caches):
-            x, kv = run_segment(stack, x, kv, ctx, self.runtime)
+            x, kv = run(stack, x, kv, ctx, self.runtime)
             new_caches.append(kv)
         return self.norm(x), new_caches
 

@@ -1,14 +1,18 @@
 """Mesh construction and the ONE table mapping logical axes to mesh axes.
 
-Mesh axes: `expert` (expert parallel) x `model` (tensor parallel). Data parallelism is
-replicas: each replica is an engine on its own sub-mesh of TP x EP devices (vLLM's DP),
-so one mesh never has a data axis of size > 1; it is kept so specs read the same.
+Mesh axes: `stage` (pipeline parallel) x `expert` (expert parallel) x `model` (tensor
+parallel). A stage holds its share of every segment's stacked layers (the `layers` axis) and
+their KV pages (the cache is layer-major, so the `pages` axis splits the same way);
+qwen_jax/model.py runs the stages in turn. Data parallelism is replicas: each replica is an
+engine on its own sub-mesh of PP x TP x EP devices (vLLM's DP), so one mesh never has a data
+axis of size > 1; it is kept so specs read the same.
 """
 
 from __future__ import annotations
 
 import dataclasses
 import logging
+import math
 from collections.abc import Mapping
 from typing import Protocol
 
@@ -21,13 +25,13 @@ from qwen_jax.validation import require
 
 logger = logging.getLogger(__name__)
 
-MESH_AXES = ("data", "expert", "model")
+MESH_AXES = ("data", "stage", "expert", "model")
 
 # The table: logical axis -> mesh axis (None = replicated).
 LOGICAL_AXIS_RULES = {
-    "layers": None,      # stacked layers of a scan segment
+    "layers": "stage",   # stacked layers of a scan segment
     "embed": None,       # D
-    "vocab": "model",    # V: embedding rows and lm-head columns
+    "vocab": ("stage", "model"),  # V: embedding rows and lm-head columns
     "heads": "model",    # N * H of q_proj / o_proj
     "kv_heads": "model", # K * H of k_proj / v_proj and the cache's K (see kv replication)
     "head_dim": None,    # H (q_norm / k_norm)
@@ -36,7 +40,7 @@ LOGICAL_AXIS_RULES = {
     "expert_mlp": "model",  # expert FFN width F
     "gate_up": None,     # the 2 of [E, D, 2, F]
     "router": None,      # E columns of the router (replicated: every device routes)
-    "pages": None,       # cache pages (X * P)
+    "pages": "stage",    # cache pages (X * P, layer-major: a stage's layers' pages)
     "page_slots": None,  # L
     "lora_slots": None,  # S adapter slots of a LoRA buffer
     "lora_rank": None,   # R (times 2 or 3 for fused projections)
@@ -88,14 +92,16 @@ class ParallelConfig:
     tensor_parallel_size: int = 1
     expert_parallel_size: int = 1
     data_parallel_size: int = 1
+    pipeline_parallel_size: int = 1
 
     def __post_init__(self):
-        for name in ("tensor_parallel_size", "expert_parallel_size", "data_parallel_size"):
+        for name in ("tensor_parallel_size", "expert_parallel_size", "data_parallel_size",
+                     "pipeline_parallel_size"):
             require(getattr(self, name) >= 1, name, getattr(self, name), ">= 1")
 
     @property
     def replica_size(self) -> int:
-        return self.tensor_parallel_size * self.expert_parallel_size
+        return self.tensor_parallel_size * self.expert_parallel_size * self.pipeline_parallel_size
 
     @property
     def world_size(self) -> int:
@@ -105,8 +111,10 @@ class ParallelConfig:
         """Raise ValueError naming the field when the model cannot split this way."""
         tp, ep = self.tensor_parallel_size, self.expert_parallel_size
         if self.world_size > num_devices:
-            raise ValueError(f"tensor_parallel_size x expert_parallel_size x data_parallel_size"
-                             f" = {self.world_size} exceeds the {num_devices} devices available")
+            raise ValueError(f"pipeline_parallel_size x tensor_parallel_size x "
+                             f"expert_parallel_size x data_parallel_size = {self.world_size} "
+                             f"exceeds the {num_devices} devices available")
+        check_stages(cfg, self.pipeline_parallel_size)
         if cfg.num_attention_heads % tp:
             raise ValueError(f"tensor_parallel_size={tp} must divide num_attention_heads="
                              f"{cfg.num_attention_heads}")
@@ -128,33 +136,37 @@ class ParallelConfig:
                              f"{cfg.intermediate_size}")
 
 
-def pipeline_stages(num_layers: int, pipeline_parallel_size: int) -> list[range]:
-    """The layers of each pipeline stage, as vLLM splits them: num_layers // P each, and the
-    remainder one more each to the stages before the last, from the second-to-last back
-    (the first stage holds the embeddings, the last the lm head)."""
+def check_stages(cfg, pipeline_parallel_size: int) -> None:
+    """Each pipeline stage holds an equal share of every run of same-kind layers (a
+    segment, one scan): ValueError naming the run PP does not divide."""
     pp = pipeline_parallel_size
-    require(1 <= pp <= num_layers, "pipeline_parallel_size", pp,
-            f"in [1, num_hidden_layers={num_layers}]")
-    counts = [num_layers // pp] * pp
-    for i in range(num_layers % pp):
-        counts[-2 - i] += 1
-    starts = np.cumsum([0, *counts])
-    return [range(int(a), int(b)) for a, b in zip(starts[:-1], starts[1:])]
+    for kind, first, count in cfg.segments if pp > 1 else ():
+        if count % pp:
+            raise ValueError(
+                f"pipeline_parallel_size={pp} must divide the {count} consecutive {kind} "
+                f"layers from layer {first} (each stage holds an equal share of each run of "
+                f"same-kind layers)")
 
 
 def make_mesh(tensor_parallel_size: int = 1, expert_parallel_size: int = 1,
-              devices=None) -> Mesh:
-    """A (data=1, expert, model) mesh over the first EP x TP of `devices`.
+              devices=None, pipeline_parallel_size: int = 1) -> Mesh:
+    """A (data=1, stage, expert, model) mesh over the first PP x EP x TP of `devices`
+    (stage s: the s-th run of EP x TP devices).
 
     Auto axes: the compiler propagates shardings between the explicit shard_map regions
     (jax.make_mesh defaults to Explicit axes, where ambiguous contractions are errors)."""
-    size = tensor_parallel_size * expert_parallel_size
+    pp, ep, tp = pipeline_parallel_size, expert_parallel_size, tensor_parallel_size
+    size = pp * tp * ep
     devices = list(devices if devices is not None else jax.devices())[:size]
     if len(devices) < size:
-        raise ValueError(f"need {size} devices for TP={tensor_parallel_size} x "
-                         f"EP={expert_parallel_size}, have {len(devices)}")
-    grid = np.array(devices).reshape(1, expert_parallel_size, tensor_parallel_size)
-    return Mesh(grid, MESH_AXES, axis_types=(AxisType.Auto,) * 3)
+        raise ValueError(f"need {size} devices for PP={pp} x TP={tp} x EP={ep}, have "
+                         f"{len(devices)}")
+    grid = np.array(devices).reshape(1, pp, ep, tp)
+    return Mesh(grid, MESH_AXES, axis_types=(AxisType.Auto,) * len(MESH_AXES))
+
+
+def pp_size(mesh: AxisSizes | None) -> int:
+    return 1 if mesh is None else mesh.shape.get("stage", 1)
 
 
 class AxisSizes(Protocol):
@@ -208,16 +220,32 @@ def spec_for(axes: tuple, shape: tuple, mesh: AxisSizes, num_kv_heads: int | Non
     is replicated (vocab of a tiny model), and KV-head weights replicate when TP > K."""
     spec = []
     for axis, dim in zip(axes, shape):
-        mesh_axis = LOGICAL_AXIS_RULES[axis]
+        mesh_axis = mesh_rule(axis, mesh)
         replicated_kv = num_kv_heads is not None and kv_replication(num_kv_heads, mesh) > 1
         if axis == "kv_heads" and replicated_kv:
             mesh_axis = None
-        if mesh_axis is not None and dim % mesh.shape[mesh_axis]:
+        if mesh_axis is not None and dim % axis_size(mesh, mesh_axis):
             logger.info("replicating a dim of %d over %s (not divisible by %d)", dim, mesh_axis,
-                        mesh.shape[mesh_axis])
+                        axis_size(mesh, mesh_axis))
             mesh_axis = None
         spec.append(mesh_axis)
     return PartitionSpec(*spec)
+
+
+def mesh_rule(axis: str, mesh: AxisSizes) -> str | tuple[str, ...] | None:
+    """The table's mesh axis (or axes) for a logical axis, without `stage` when the mesh
+    has one stage (specs then read as they do without pipeline parallelism)."""
+    rule = LOGICAL_AXIS_RULES[axis]
+    if rule is None or mesh.shape.get("stage", 1) > 1:
+        return rule
+    names = tuple(n for n in ((rule,) if isinstance(rule, str) else rule) if n != "stage")
+    return None if not names else names[0] if len(names) == 1 else names
+
+
+def axis_size(mesh: AxisSizes, mesh_axis: str | tuple[str, ...]) -> int:
+    """Devices a dim is split over: one mesh axis, or several (their product)."""
+    names = (mesh_axis,) if isinstance(mesh_axis, str) else mesh_axis
+    return math.prod(mesh.shape.get(name, 1) for name in names)
 
 
 def param_sharding(path, shape, mesh: Mesh, cfg) -> NamedSharding:
@@ -298,7 +326,7 @@ def check_group_split(path, shape, spec, mesh, cfg) -> None:
         if axis is None or group is None or group == 1:
             continue
         size = shape[dim] * (2 if fmt.kind == "int4" and dim == k_dim else 1)
-        split = mesh.shape[axis]
+        split = axis_size(mesh, axis)
         if (size // split) % group:
             hint = (" or shard the experts with expert_parallel_size instead"
                     if "experts" in axes else "")
@@ -312,7 +340,7 @@ def check_group_split(path, shape, spec, mesh, cfg) -> None:
 
 def kv_cache_sharding(mesh: Mesh) -> NamedSharding:
     """The cache always has max(K, TP) heads, so the kv_heads dim divides evenly."""
-    return NamedSharding(mesh, PartitionSpec(*(LOGICAL_AXIS_RULES[a] for a in KV_CACHE_AXES)))
+    return NamedSharding(mesh, PartitionSpec(*(mesh_rule(a, mesh) for a in KV_CACHE_AXES)))
 
 
 def replicated(mesh: Mesh) -> NamedSharding:

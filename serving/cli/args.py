@@ -123,6 +123,9 @@ def add_parallel_args(parser: argparse.ArgumentParser) -> None:
     g.add_argument("--tensor-parallel-size", "-tp", type=int, default=1)
     g.add_argument("--expert-parallel-size", "-ep", type=int, default=1)
     g.add_argument("--data-parallel-size", "-dp", type=int, default=1)
+    g.add_argument("--pipeline-parallel-size", "-pp", type=int, default=1,
+                   help="pipeline stages, each of TP x EP devices holding 1 / PP of the "
+                        "layers and their KV cache (the stages run in turn within a step)")
     g.add_argument("--coordinator-address", default=None,
                    help="multi-host: host:port of process 0 (jax.distributed)")
     g.add_argument("--num-processes", type=int, default=None)
@@ -141,6 +144,7 @@ ENGINE_ARG_NAMES = (
     "enable_prefix_caching", "max_waiting", "token_buckets", "seq_buckets",
     "async_scheduling", "stream_interval", "compilation_cache_dir", "precompile",
     "tensor_parallel_size", "expert_parallel_size", "data_parallel_size",
+    "pipeline_parallel_size",
     "generation_config", "speculative_config", *SCHEDULING_ARG_NAMES, *LORA_ENGINE_ARG_NAMES)
 
 

@@ -245,8 +245,8 @@ def _add_plan(subparsers) -> None:
     p.add_argument("--tensor-parallel-size", "-tp", type=int, default=1)
     p.add_argument("--expert-parallel-size", "-ep", type=int, default=1)
     p.add_argument("--pipeline-parallel-size", "-pp", type=int, default=1,
-                   help="pipeline stages of TP x EP devices, each holding its layers' "
-                        "weights and KV (sizing only: the engine runs one stage)")
+                   help="pipeline stages of TP x EP devices, each holding 1 / PP of the "
+                        "layers and their KV")
     p.add_argument("--device-memory-gb", type=float, default=141.0,
                    help="memory of one device in GB (default: an H200's 141)")
     p.add_argument("--gpu-memory-utilization", type=float, default=0.9)

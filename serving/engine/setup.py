@@ -12,7 +12,7 @@ from qwen_jax.eagle3 import Eagle3Head, load_eagle3
 from qwen_jax.model import Qwen3ForCausalLM
 from qwen_jax.params import resolve_kv_cache_dtype
 from qwen_jax.planner import kv_bytes_per_page
-from qwen_jax.sharding import make_mesh, tp_size
+from qwen_jax.sharding import make_mesh, pp_size, tp_size
 from qwen_jax.tokenizer import Tokenizer
 from qwen_jax.validation import require
 from qwen_jax.weights import (
@@ -50,13 +50,32 @@ def model_impl(config: EngineConfig) -> str | None:
 
 
 def replica_mesh(config: EngineConfig, model_path: Path, devices):
-    """The TP x EP mesh of one replica; None for one device (plain jit, no shard_map)."""
+    """The PP x TP x EP mesh of one replica; None for one device (plain jit, no
+    shard_map)."""
     parallel = config.parallel
     if parallel.replica_size == 1 and devices is None:
         return None
     devices = list(devices if devices is not None else jax.devices())
     parallel.validate(ModelConfig.from_hf(model_path), len(jax.devices()))
-    return make_mesh(parallel.tensor_parallel_size, parallel.expert_parallel_size, devices)
+    if parallel.pipeline_parallel_size > 1:
+        check_pipeline_options(config)
+    return make_mesh(parallel.tensor_parallel_size, parallel.expert_parallel_size, devices,
+                     parallel.pipeline_parallel_size)
+
+
+def check_pipeline_options(config: EngineConfig) -> None:
+    """What pipeline stages do not run with yet: ValueError naming the option."""
+    pp = config.parallel.pipeline_parallel_size
+    spec = config.speculative_config
+    refused = [
+        ("speculative_config", spec is not None and spec.method != "ngram",
+         "n-gram drafts only (a draft model's or EAGLE-3 head's cache is not split by stage)"),
+        ("enable_lora", config.enable_lora, "False (adapter slots are not split by stage)"),
+        ("swap_space", config.cache.swap_space > 0, "0 (recompute preempted requests)"),
+        ("num_processes", distributed.is_multiprocess(), "1 (stages on one host for now)")]
+    for field, bad, needed in refused:
+        if bad:
+            raise ValueError(f"pipeline_parallel_size={pp} needs {field}: {needed}")
 
 
 def load_tokenizer(config: EngineConfig, model_path: Path) -> Tokenizer | None:
@@ -179,7 +198,8 @@ def build_cache(config: EngineConfig, model: Qwen3ForCausalLM, mesh) -> CacheSet
     pages_per_seq = sched.pages_per_seq(page_size)
     dtype = resolve_kv_cache_dtype(cache.kv_cache_dtype, model.dtype)
     max_pages = 1 + sched.max_num_seqs * pages_per_seq
-    bytes_per_page = kv_bytes_per_page(model_config, page_size, dtype, tp_size(mesh))
+    bytes_per_page = kv_bytes_per_page(model_config, page_size, dtype, tp_size(mesh),
+                                       model_config.num_hidden_layers // pp_size(mesh))
     draft_bytes = draft_bytes_per_page(draft, model, page_size, dtype, mesh)
     num_pages = kv_cache.num_pages_to_allocate(cache, bytes_per_page + draft_bytes, max_pages)
     caches = kv_cache.allocate(model, num_pages, page_size, dtype)

@@ -1,0 +1,96 @@
+"""Pipeline parallelism on 8 simulated CPU devices: PP2, PP2 x TP2 and PP2 x EP2 x TP2 give
+the single-device greedy tokens, every device holds only its stage's layers and their KV
+pages, and what the stages do not run with yet is refused by name."""
+
+import jax
+import numpy as np
+import pytest
+
+from qwen_jax import LLM, SamplingParams
+from tests.helpers.hf import save_hf_model
+
+ARGS = dict(max_num_seqs=4, max_num_batched_tokens=64, max_model_len=128, token_buckets=[64],
+            seq_buckets=[4], show_progress=False, compilation_cache_dir=None)
+GREEDY = SamplingParams(temperature=0, max_tokens=8, ignore_eos=True)
+LAYOUTS = {
+    "pp2": dict(pipeline_parallel_size=2),
+    "pp2_tp2": dict(pipeline_parallel_size=2, tensor_parallel_size=2),
+    "pp2_ep2_tp2": dict(pipeline_parallel_size=2, expert_parallel_size=2,
+                        tensor_parallel_size=2),
+}
+
+
+@pytest.fixture(scope="module")
+def ckpt(tmp_path_factory):
+    """Two dense layers, then two MoE layers: each stage holds one of each."""
+    path = tmp_path_factory.mktemp("pp-moe")
+    save_hf_model(path, moe=True, num_hidden_layers=4, mlp_only_layers=[0, 1],
+                  num_attention_heads=8, num_key_value_heads=2, num_experts=8,
+                  moe_intermediate_size=16, intermediate_size=32, vocab_size=96, seed=5)
+    return str(path)
+
+
+@pytest.fixture(scope="module")
+def prompts():
+    rng = np.random.default_rng(0)
+    # the last repeats the first: a prefix-cache hit over both stages' pages
+    ids = [rng.integers(2, 96, size=n).tolist() for n in (3, 21, 40, 7)]
+    return [{"prompt_token_ids": p} for p in (*ids, ids[2] + [5, 6])]
+
+
+@pytest.fixture(scope="module")
+def single_device(ckpt, prompts):
+    llm = LLM(ckpt, **ARGS)
+    return [o.outputs[0].token_ids for o in llm.generate(prompts, GREEDY)]
+
+
+@pytest.mark.parametrize("layout", list(LAYOUTS))
+def test_stages_give_the_single_device_tokens(ckpt, prompts, single_device, layout):
+    llm = LLM(ckpt, **ARGS, **LAYOUTS[layout])
+    outputs = llm.generate(prompts[:4], GREEDY)
+    outputs += llm.generate(prompts[4:], GREEDY)  # after the others: its prefix is cached
+    assert [o.outputs[0].token_ids for o in outputs] == single_device
+    assert outputs[-1].num_cached_tokens >= 32
+    stats = llm.stats()
+    assert stats["num_free_pages"] == stats["num_total_pages"]
+
+
+def test_each_device_holds_only_its_stages_layers_and_their_pages(ckpt):
+    llm = LLM(ckpt, precompile=False, **ARGS, **LAYOUTS["pp2_ep2_tp2"])
+    engine = llm.llm_engine
+    stage_devices = [set(engine.mesh.devices[0, s].flat) for s in range(2)]
+    assert stage_devices[0].isdisjoint(stage_devices[1])
+    gate_up = engine.model.segments[1].mlp.gate_up_proj[...]  # [2 layers, 8 experts, ...]
+    q_proj = engine.model.segments[0].self_attn.q_proj.kernel[...]
+    for weight in (gate_up, q_proj):
+        for shard in weight.addressable_shards:
+            layer = shard.index[0].start or 0
+            assert shard.data.shape[0] == 1 and shard.device in stage_devices[layer]
+    assert {s.data.shape[1] for s in gate_up.addressable_shards} == {4}  # EP2 within a stage
+    for k_cache, v_cache in engine.runner.kv_caches:
+        pages = k_cache.shape[0] // 2  # per layer
+        for shard in (*k_cache.addressable_shards, *v_cache.addressable_shards):
+            first = shard.index[0].start or 0
+            assert shard.data.shape[0] == pages and shard.device in stage_devices[first // pages]
+    # the embeddings and lm head split over stages x TP: a quarter of the rows each
+    assert {s.data.shape[0] for s in engine.model.embed_tokens[...].addressable_shards} == {24}
+    assert len(jax.devices()) == 8
+
+
+@pytest.mark.parametrize("option, value, field", [
+    ("speculative_config", {"method": "draft_model", "num_speculative_tokens": 2},
+     "speculative_config"),
+    ("enable_lora", True, "enable_lora"),
+    ("swap_space", 1, "swap_space"),
+])
+def test_what_stages_do_not_run_with_yet_is_refused_by_name(ckpt, option, value, field):
+    if option == "speculative_config":
+        value = {**value, "model": ckpt}
+    with pytest.raises(ValueError, match=f"pipeline_parallel_size=2 needs {field}"):
+        LLM(ckpt, precompile=False, pipeline_parallel_size=2, **{**ARGS, option: value})
+
+
+def test_a_stage_count_that_does_not_divide_the_layers_is_refused(ckpt):
+    with pytest.raises(ValueError, match="pipeline_parallel_size=4 must divide the 2 "
+                                         "consecutive dense layers from layer 0"):
+        LLM(ckpt, precompile=False, pipeline_parallel_size=4, **ARGS)
