@@ -71,8 +71,7 @@ def check_pipeline_options(config: EngineConfig) -> None:
         ("speculative_config", spec is not None and spec.method != "ngram",
          "n-gram drafts only (a draft model's or EAGLE-3 head's cache is not split by stage)"),
         ("enable_lora", config.enable_lora, "False (adapter slots are not split by stage)"),
-        ("swap_space", config.cache.swap_space > 0, "0 (recompute preempted requests)"),
-        ("num_processes", distributed.is_multiprocess(), "1 (stages on one host for now)")]
+        ("swap_space", config.cache.swap_space > 0, "0 (recompute preempted requests)")]
     for field, bad, needed in refused:
         if bad:
             raise ValueError(f"pipeline_parallel_size={pp} needs {field}: {needed}")

@@ -1,6 +1,7 @@
-"""One process of the two-process test: `python multihost_worker.py CKPT PORT ID OUT`.
-Process 0 serves a few requests over a TP=8 mesh spanning both processes and writes the
-tokens to OUT; process 1 follows its steps."""
+"""One process of the two-process test: `python multihost_worker.py CKPT PORT ID OUT
+[LAYOUT]`. Process 0 serves a few requests over a mesh spanning both processes (LAYOUT: a
+JSON object of parallel sizes; default TP=8) and writes the tokens to OUT; process 1
+follows its steps."""
 
 import json
 import sys
@@ -19,7 +20,8 @@ assert len(jax.devices()) == 8 and len(jax.local_devices()) == 4
 from qwen_jax import LLM, SamplingParams  # noqa: E402
 from tests.sharding.multihost_prompts import ARGS, PROMPTS  # noqa: E402
 
-llm = LLM(ckpt, tensor_parallel_size=8, **ARGS)
+layout = json.loads(sys.argv[5]) if len(sys.argv) > 5 else {"tensor_parallel_size": 8}
+llm = LLM(ckpt, **layout, **ARGS)
 if distributed.is_leader():
     outs = llm.generate([{"prompt_token_ids": p} for p in PROMPTS],
                         SamplingParams(temperature=0, max_tokens=8, ignore_eos=True))

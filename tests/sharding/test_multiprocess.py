@@ -1,5 +1,6 @@
 """Two processes on localhost (CPU, jax.distributed with gloo, 4 devices each) serve a few
-requests over one TP=8 mesh with the same tokens as one process on one device."""
+requests over one mesh spanning both (TP=8; PP=2 x TP=4: a pipeline stage per process)
+with the same tokens as one process on one device."""
 
 import json
 import os
@@ -7,6 +8,8 @@ import socket
 import subprocess
 import sys
 from pathlib import Path
+
+import pytest
 
 from qwen_jax import LLM, SamplingParams
 from tests.helpers.hf import save_hf_model
@@ -21,7 +24,10 @@ def _free_port() -> int:
         return s.getsockname()[1]
 
 
-def test_two_processes_match_one(tmp_path):
+@pytest.mark.parametrize("layout", [{"tensor_parallel_size": 8},
+                                    {"pipeline_parallel_size": 2, "tensor_parallel_size": 4}],
+                         ids=["tp8", "pp2_tp4"])
+def test_two_processes_match_one(tmp_path, layout):
     ckpt = tmp_path / "ckpt"
     save_hf_model(ckpt, moe=True, num_attention_heads=8, num_key_value_heads=2, num_experts=8,
                   moe_intermediate_size=16, intermediate_size=32, vocab_size=96, seed=9)
@@ -32,7 +38,8 @@ def test_two_processes_match_one(tmp_path):
     env = {k: v for k, v in os.environ.items() if k != "XLA_FLAGS"}
     env["PYTHONPATH"] = str(ROOT)
     procs = [subprocess.Popen([sys.executable, str(ROOT / "tests/sharding/multihost_worker.py"),
-                               str(ckpt), str(port), str(i), str(out)], env=env,
+                               str(ckpt), str(port), str(i), str(out),
+                               json.dumps(layout)], env=env,
                               stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True)
              for i in range(2)]
     logs = [p.communicate(timeout=600)[0] for p in procs]
