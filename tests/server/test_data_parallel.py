@@ -92,6 +92,33 @@ async def test_health_and_metrics_name_each_replica(dp_server):
     assert metrics['qwen_jax:generation_tokens_total{model_name="tiny"}'] > 0
 
 
+async def test_leaving_a_stream_or_aborting_frees_its_pages_on_its_replica(dp_llm):
+    params = SamplingParams(temperature=0, max_tokens=100, ignore_eos=True, output_kind="DELTA")
+    left = dp_llm.generate("Once upon a time", params, request_id="left")
+    async for _ in left:
+        break
+    replica = dp_llm._owner["left"]
+    assert replica.llm.stats()["num_running"] + replica.llm.stats()["num_waiting"] == 1
+    await left.aclose()  # a client that went away
+    task = asyncio.ensure_future(collect_all(dp_llm, "Once", params, "aborted"))
+    while "aborted" not in dp_llm._owner:
+        await asyncio.sleep(0.01)
+    await dp_llm.abort("aborted")
+    assert (await task)[-1].outputs[0].finish_reason == "abort"
+    loop = asyncio.get_running_loop()
+    deadline = loop.time() + 30
+    while loop.time() < deadline and any(
+            s["num_running"] or s["num_used_pages"] for _, _, s in dp_llm.replica_stats()):
+        await asyncio.sleep(0.05)
+    assert all(not s["num_running"] and not s["num_used_pages"]
+               for _, _, s in dp_llm.replica_stats())
+    assert not dp_llm._owner and all(r.num_unfinished == 0 for r in dp_llm.replicas)
+
+
+async def collect_all(llm, prompt, params, request_id):
+    return [o async for o in llm.generate(prompt, params, request_id)]
+
+
 async def stream(session, url: str, prompt: str) -> str:
     """A streamed completion's outcome: its finish reason, or the error it ended with."""
     body = {"model": "tiny", "prompt": prompt, "max_tokens": 100, "temperature": 0,
@@ -111,7 +138,8 @@ async def test_a_killed_replica_fails_its_requests_while_the_other_serves_then_s
         tasks = [asyncio.ensure_future(stream(s, dp_server.url, p)) for p in PROMPTS]
         loop = asyncio.get_running_loop()
         deadline = loop.time() + 60
-        while not all(r.num_unfinished for r in dp_llm.replicas) and loop.time() < deadline:
+        while (sum(r.num_unfinished for r in dp_llm.replicas) < len(PROMPTS)
+               and loop.time() < deadline):  # every request routed
             await asyncio.sleep(0.02)
         on_victim = dp_llm.replicas[1].num_unfinished
         assert on_victim and dp_llm.replicas[0].num_unfinished
