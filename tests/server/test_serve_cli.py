@@ -109,3 +109,14 @@ async def test_sigterm_finishes_in_flight_requests_and_exits_zero(serve_process)
         async with aiohttp.ClientSession() as s:
             await s.get(url + "/health")
     assert not alive(engine[0])  # stopped by the server, not left behind
+
+
+def test_an_option_the_model_refuses_is_one_line_naming_it_not_a_traceback():
+    cmd = [sys.executable, "-m", "serving.cli.main", "serve", "--port", str(free_port()),
+           "--pipeline-parallel-size", "2", "--no-precompile"]
+    env = {**os.environ, "JAX_PLATFORMS": "cpu"}
+    done = subprocess.run(cmd, capture_output=True, text=True, env=env, timeout=120)
+    assert done.returncode == 2
+    assert ("error: pipeline_parallel_size=2 must divide the 1 consecutive dense layers "
+            "from layer 2") in done.stderr
+    assert "Traceback" not in done.stderr

@@ -141,7 +141,11 @@ def run(args, engine_kwargs: dict) -> int:
                           allow_runtime_lora_updating=runtime_updating_allowed(
                               args.allow_runtime_lora_updating))
     started = time.perf_counter()
-    llm = start_engine(args, engine_kwargs)
+    try:
+        llm = start_engine(args, engine_kwargs)
+    except ValueError as exc:  # an option the model or the devices refuse, named
+        print(f"error: {exc}", file=sys.stderr, flush=True)
+        return 2
     print(startup_report(llm, time.perf_counter() - started), flush=True)
     try:
         return asyncio.run(serve(llm, config))
