@@ -18,7 +18,7 @@ from pathlib import Path
 import aiohttp
 import pytest
 
-from tests.server.test_serve_cli import ARGS, free_port
+from tests.server.test_serve_cli import ARGS, free_port, wait_serving
 
 ROOT = Path(__file__).resolve().parents[2]
 CONF = ROOT / "deploy" / "nginx" / "qwen-jax.conf"
@@ -31,20 +31,6 @@ def start_server(model_dir, compile_cache, port: int) -> subprocess.Popen:
     env = {**os.environ, "JAX_PLATFORMS": "cpu", "PYTHONUNBUFFERED": "1"}
     return subprocess.Popen(cmd, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True,
                             env=env, cwd=ROOT)
-
-
-def wait_serving(proc: subprocess.Popen, timeout: float = 150) -> None:
-    lines: list[str] = []
-    deadline = time.monotonic() + timeout
-    while time.monotonic() < deadline:
-        line = proc.stdout.readline()
-        if not line:
-            break
-        lines.append(line)
-        if line.startswith("serving on"):
-            return
-    proc.kill()
-    pytest.fail("server did not start:\n" + "".join(lines[-40:]))
 
 
 def nginx_config(tmp: Path, listen: int, upstreams: list[int]) -> Path:

@@ -23,6 +23,22 @@ def free_port() -> int:
         return s.getsockname()[1]
 
 
+def wait_serving(proc: subprocess.Popen, timeout: float = 150) -> list[str]:
+    """A `serve` process's output up to its "serving on" line; kills it and fails the test
+    with its last lines if it does not get there."""
+    lines: list[str] = []
+    deadline = time.monotonic() + timeout
+    while time.monotonic() < deadline:
+        line = proc.stdout.readline()
+        if not line:
+            break
+        lines.append(line)
+        if line.startswith("serving on"):
+            return lines
+    proc.kill()
+    pytest.fail("server did not start:\n" + "".join(lines[-40:]))
+
+
 @pytest.fixture
 def serve_process(tiny_model_dir, compile_cache):
     port = free_port()
@@ -33,20 +49,7 @@ def serve_process(tiny_model_dir, compile_cache):
     proc = subprocess.Popen(cmd, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True,
                             env=env, cwd=os.path.dirname(os.path.dirname(os.path.dirname(
                                 os.path.abspath(__file__)))))
-    lines = []
-    deadline = time.monotonic() + 150
-    while time.monotonic() < deadline:
-        line = proc.stdout.readline()
-        if not line:
-            break
-        lines.append(line)
-        if line.startswith("serving on"):
-            break
-    else:
-        proc.kill()
-    if not lines or not lines[-1].startswith("serving on"):
-        proc.kill()
-        pytest.fail("server did not start:\n" + "".join(lines[-40:]))
+    lines = wait_serving(proc)
     yield proc, port, lines
     if proc.poll() is None:
         proc.kill()
