@@ -197,14 +197,16 @@ class Qwen3ForCausalLM(nnx.Module):
             new_caches.append(kv)
         return self.norm(x), new_caches
 
-    def step_context(self, meta: AttentionMetadata, positions, lora_slots=None) -> StepContext:
+    def step_context(self, meta: AttentionMetadata, positions, lora_slots=None,
+                     rt: Runtime | None = None) -> StepContext:
         """What every layer of a step over `positions` shares (RoPE tables, the attention
-        plan, the tokens grouped by LoRA adapter)."""
+        plan, the tokens grouped by LoRA adapter). rt: the runtime to plan with (default
+        the model's; a stage's inside the pipeline's shard_map)."""
         cfg = self.config
         return step_context(meta, positions, (self.rope_inv_freq[...], self.rope_scale),
                             dtype=self.dtype, num_q_heads=cfg.num_attention_heads,
                             num_kv_heads=self.num_cache_kv_heads, head_dim=cfg.head_dim,
-                            rt=self.runtime, lora_slots=lora_slots,
+                            rt=rt or self.runtime, lora_slots=lora_slots,
                             num_lora_slots=self.lora_slots)
 
     def enable_lora(self, max_loras: int, max_lora_rank: int) -> None:

@@ -82,6 +82,17 @@ class OrderPolicy:
         is later. Never true for a request that has aged past the waiting one."""
         return self.is_length_aware and self.key(running) > self.key(waiting)
 
+    def short_preempts(self, request: Request, running: list[Request],
+                       waited_long: bool) -> Request | None:
+        """Length-aware: the running long request that a short `request` which waited past
+        short_preempt_wait (`waited_long`) may take the place of (the one that ranks last,
+        if it ranks below `request`); None when there is none."""
+        if not (self.is_length_aware and waited_long and self.length_class(request) == SHORT):
+            return None
+        victims = [r for r in running
+                   if self.length_class(r) == LONG and self.yields_to(r, request)]
+        return max(victims, key=self.key) if victims else None
+
     def forget(self, request: Request) -> None:
         self.boosted.discard(request.request_id)
 

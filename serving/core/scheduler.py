@@ -30,7 +30,7 @@ from serving.core.degradation import KVPressure, QueueWaitBoost
 from serving.core.kv_cache_manager import KVCacheManager, cdiv
 from serving.core.lora_slots import LoRASlots
 from serving.core.page_pool import Page
-from serving.core.policies import LONG, SHORT, OrderPolicy, WaitingQueue
+from serving.core.policies import OrderPolicy, WaitingQueue
 from serving.core.prefill_cap import PrefillCap
 from serving.core.request import Request, RequestStatus
 from serving.core.scheduler_output import ScheduledSeq, SchedulerOutput, StepBuilder
@@ -64,6 +64,10 @@ class Scheduler:
         self.num_preemptions = 0
         self.num_recomputed_tokens = 0  # computed KV thrown away by recompute preemptions
         self.lora: LoRASlots | None = None  # adapter slots (the engine's, with LoRA on)
+        # Batches in flight at once (pipeline stages, serving/engine/pipeline.py): a
+        # request whose token is in flight waits for it, and each batch takes about
+        # 1/depth of the live requests.
+        self.pipeline_depth = 1
 
     @property
     def num_running(self) -> int:
@@ -135,7 +139,8 @@ class Scheduler:
         now = self.observe_pressure()
         for request in self.boost.due(now):
             self.waiting.boost(request)
-        step = StepBuilder(budget=self.pressure.max_num_batched_tokens)
+        live = len(self.running) + len(self.waiting)  # the cap binds under stages alone
+        step = StepBuilder(self.pressure.max_num_batched_tokens, -(-live // self.pipeline_depth))
         self._schedule_running(step)
         if not step.preempted:
             # Admitting after a preemption would only thrash the pages just freed.
@@ -163,7 +168,7 @@ class Scheduler:
         running, page_size = RequestStatus.RUNNING, self.kv.page_size
         scheduled = step.scheduled
         for request in list(self.running):
-            if step.budget == 0:
+            if step.budget == 0 or len(scheduled) >= step.max_seqs:
                 break
             if request.status != running:
                 continue  # preempted earlier in this step
@@ -171,10 +176,11 @@ class Scheduler:
             num_tokens = (len(request.prompt_token_ids) + len(request.output_token_ids)
                           + pending)
             num_left = num_tokens - request.num_computed_tokens
-            if num_left <= 0 or (pending and num_tokens >= (request.max_num_tokens
-                                                          or self.max_num_tokens(request))):
-                # waiting for its sampled token, or (overlapped loop) the token still on
-                # the device is its last by length: the engine finishes it on reading
+            if num_left <= 0 or pending and (self.pipeline_depth > 1 or num_tokens >= (
+                    request.max_num_tokens or self.max_num_tokens(request))):
+                # waiting for its sampled token (in the pipeline, or the serial loop's),
+                # or (overlapped loop) the token still on the device is its last by
+                # length: the engine finishes it on reading
                 continue
             if num_left > 1 and head is not None and self.policy.yields_to(request, head):
                 step.deferred.append(request)  # its prefill gets what admissions leave
@@ -204,7 +210,7 @@ class Scheduler:
         are admitted: the ones that rank no lower than `head` (all when None). Never
         preempts."""
         for request in list(step.deferred):
-            if step.budget == 0:
+            if step.budget == 0 or len(step.scheduled) >= step.max_seqs:
                 break
             if head is not None and self.policy.key(request) > self.policy.key(head):
                 continue
@@ -258,7 +264,8 @@ class Scheduler:
         for a long-prefill slot stays in its place and the ones behind it go on."""
         growth: int | None = None  # the running requests' next-token pages, when needed
         num_skipped = 0
-        while len(self.waiting) > num_skipped and step.budget > 0:
+        while (len(self.waiting) > num_skipped and step.budget > 0
+               and len(step.scheduled) < step.max_seqs):
             request = self.waiting[num_skipped]
             if request.request_id in step.preempted or request.num_pending_tokens:
                 # preempted in this step: resuming it now would only thrash (and its
@@ -326,17 +333,11 @@ class Scheduler:
         return growth
 
     def _preempt_for_short(self, request: Request, step: StepBuilder, now: float) -> bool:
-        """Length-aware: a short request that waited past short_preempt_wait and cannot be
-        admitted preempts the running long request that ranks last, if it ranks below it."""
-        if not (self.policy.is_length_aware and self.policy.length_class(request) == SHORT
-                and now - request.arrival_time > self.config.short_preempt_wait):
-            return False
-        victims = [r for r in self.running
-                   if self.policy.length_class(r) == LONG and self.policy.yields_to(r, request)]
-        if not victims:
-            return False
-        self._preempt(max(victims, key=self.policy.key), step)
-        return True
+        victim = self.policy.short_preempts(
+            request, self.running, now - request.arrival_time > self.config.short_preempt_wait)
+        if victim is not None:
+            self._preempt(victim, step)
+        return victim is not None
 
     def _admit(self, request: Request, num_computed: int, from_prefix_cache: bool) -> None:
         request.status = RequestStatus.RUNNING

@@ -56,8 +56,9 @@ class SchedulerOutput:
 class StepBuilder:
     """What one `Scheduler.schedule()` call has handed out so far."""
 
-    def __init__(self, budget: int):
+    def __init__(self, budget: int, max_seqs: int):
         self.budget = budget
+        self.max_seqs = max_seqs  # sequences it may take (fewer under pipeline stages)
         self.scheduled: dict[str, ScheduledSeq] = {}  # insertion order = batch order
         self.preempted: list[str] = []
         self.deferred: list[Request] = []  # running prefills that yield to waiting requests

@@ -98,13 +98,10 @@ class LLMEngine(LoRAMethods):
         spec = config.speculative_config
         self.speculator = (None if spec is None else Speculator(
             spec, self.scheduler_config.token_bucket_sizes, setup.draft))
+        self.pipeline = engine_setup.pipeline_loop(self.runner, self.scheduler, self.mesh,
+                                                   self.bucket_pairs)
         if config.precompile:
-            self.compile_seconds = self.runner.precompile(self.bucket_pairs,
-                                                          progress=config.show_progress)
-            if self.swap_store is not None:
-                self.swap_store.compile(self.runner.kv_caches)
-            if setup.draft is not None:  # the draft model's proposals, per bucket too
-                self.compile_seconds += setup.draft.runner.precompile(self.bucket_pairs)
+            self.compile_seconds = engine_setup.precompile(setup, config.show_progress)
 
     # ---- construction ------------------------------------------------------------------
     @property
@@ -225,6 +222,8 @@ class LLMEngine(LoRAMethods):
         is dropped. Steps run serially while some live request needs its tokens on the
         host before the next step (grammar masks), with several processes, and while
         speculating (serving/engine/speculation.py)."""
+        if self.pipeline is not None:
+            return self.pipeline.step(self)
         if self.speculator is None:
             return self._step()
         began = self.speculator.begin_step(self.scheduler.running)

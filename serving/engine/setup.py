@@ -29,11 +29,13 @@ from serving.core.swap import SwapManager
 from serving.engine.config import EngineConfig
 from serving.engine.draft_proposer import DraftModelProposer
 from serving.engine.lora import EngineLoRA, lora_setup
+from serving.engine.pipeline import PipelineLoop
 from serving.executor import distributed, kv_cache
 from serving.executor.draft_runner import DraftRunner
 from serving.executor.eagle_runner import EagleRunner
 from serving.executor.model_inputs import PageTable
 from serving.executor.model_runner import ModelRunner
+from serving.executor.pipeline_runner import PipelineRunner
 from serving.executor.swap_store import SwapStore
 
 DEFAULT_MAX_MODEL_LEN = 4096
@@ -66,10 +68,9 @@ def replica_mesh(config: EngineConfig, model_path: Path, devices):
 def check_pipeline_options(config: EngineConfig) -> None:
     """What pipeline stages do not run with yet: ValueError naming the option."""
     pp = config.parallel.pipeline_parallel_size
-    spec = config.speculative_config
     refused = [
-        ("speculative_config", spec is not None and spec.method != "ngram",
-         "n-gram drafts only (a draft model's or EAGLE-3 head's cache is not split by stage)"),
+        ("speculative_config", config.speculative_config is not None,
+         "None (the pipeline's ticks verify no drafts)"),
         ("enable_lora", config.enable_lora, "False (adapter slots are not split by stage)"),
         ("swap_space", config.cache.swap_space > 0, "0 (recompute preempted requests)")]
     for field, bad, needed in refused:
@@ -214,9 +215,8 @@ def build_cache(config: EngineConfig, model: Qwen3ForCausalLM, mesh) -> CacheSet
     scheduler = Scheduler(sched, kv_manager,
                           swap=SwapManager(num_host_pages, cache.swap_min_tokens))
     scheduler.lora = None if lora is None else lora.slots
-    runner = ModelRunner(model, caches, max_model_len=max_model_len,
-                         pages_per_seq=pages_per_seq, mesh=mesh,
-                         max_num_seqs=max(sched.seq_bucket_sizes))
+    runner = make_runner(model, caches, mesh, sched, max_model_len=max_model_len,
+                         pages_per_seq=pages_per_seq)
     proposer = draft_proposer(draft, model, runner, page_table, config.speculative_config,
                               sched, num_pages=num_pages, page_size=page_size,
                               pages_per_seq=pages_per_seq, dtype=dtype)
@@ -224,3 +224,34 @@ def build_cache(config: EngineConfig, model: Qwen3ForCausalLM, mesh) -> CacheSet
                       kv_manager, page_table, swap_store, scheduler, runner,
                       bucket_pairs(sched.token_bucket_sizes, sched.seq_bucket_sizes), proposer,
                       lora)
+
+
+def make_runner(model: Qwen3ForCausalLM, caches, mesh, sched: SchedulerConfig,
+                **kwargs) -> ModelRunner:
+    """The step's runner; over pipeline stages in one process, the pipeline's ticks (the
+    followers of several processes run the leader's steps, not ticks)."""
+    common = dict(mesh=mesh, max_num_seqs=max(sched.seq_bucket_sizes), **kwargs)
+    if pp_size(mesh) > 1 and not distributed.is_multiprocess():
+        return PipelineRunner(model, caches, max_num_tokens=max(sched.token_bucket_sizes),
+                              **common)
+    return ModelRunner(model, caches, **common)
+
+
+def pipeline_loop(runner: ModelRunner, scheduler: Scheduler, mesh, pairs) -> PipelineLoop | None:
+    """The engine's loop of pipeline ticks when its runner runs them (None otherwise); the
+    scheduler then keeps each batch's sequences out until their tokens are read."""
+    if not isinstance(runner, PipelineRunner):
+        return None
+    scheduler.pipeline_depth = runner.depth
+    return PipelineLoop(runner.depth, pp_size(mesh), pairs)
+
+
+def precompile(setup: CacheSetup, progress: bool) -> float:
+    """Compile every bucket's step up front (and the swap copies, the draft's steps);
+    returns the seconds it took."""
+    seconds = setup.runner.precompile(setup.bucket_pairs, progress=progress)
+    if setup.swap_store is not None:
+        setup.swap_store.compile(setup.runner.kv_caches)
+    if setup.draft is not None:  # the draft model's proposals, per bucket too
+        seconds += setup.draft.runner.precompile(setup.bucket_pairs)
+    return seconds

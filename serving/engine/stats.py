@@ -1,5 +1,6 @@
 """The counters `LLMEngine.stats()` reports (and `/metrics` exports): KV pages, prefix
-cache, compiles, the overlapped loop, speculative decoding; scheduling, self-protection and swap."""
+cache, compiles, the overlapped loop, speculative decoding, pipeline ticks; scheduling,
+self-protection and swap."""
 
 from __future__ import annotations
 
@@ -27,7 +28,18 @@ def kv_stats(engine) -> dict:
         "bytes_per_page": engine.bytes_per_page,
         "kv_capacity_tokens": engine.kv_capacity_tokens,
         **spec_decode_stats(engine.speculator),
+        **pipeline_stats(engine.pipeline),
     }
+
+
+def pipeline_stats(pipeline) -> dict:
+    """Pipeline stages' ticks and bubble (serving/engine/pipeline.py); none without."""
+    if pipeline is None:
+        return {}
+    stats = pipeline.stats
+    return {"pipeline_ticks": stats.num_ticks, "pipeline_idle_slots": stats.num_idle_slots,
+            "pipeline_idle_stage_ticks": stats.num_idle_stage_ticks,
+            "pipeline_bubble_fraction": stats.bubble_fraction}
 
 
 def _draft_runner(engine):

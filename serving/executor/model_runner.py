@@ -134,8 +134,14 @@ class ModelRunner:
         device-resident defaults). `prev`: the step whose sampled tokens rows with
         inputs.prev_index >= 0 take as input. `score_rows`: int32[2, R] prompt rows to
         score (their logprobs come back as the output's prompt_logprobs)."""
-        num_seqs = inputs.bucket[1]
         words = pack((inputs, _small(sampling)))
+        return self._dispatch_words(words, sampling, inputs.bucket, score_rows, prev)
+
+    def _dispatch_words(self, words: np.ndarray, sampling: SamplingArrays,
+                        bucket: tuple[int, int], score_rows: np.ndarray | None,
+                        prev: PendingStep | None) -> PendingStep:
+        """Start the (T, S) step on the packed inputs `words`; see `dispatch`."""
+        num_seqs = bucket[1]
         mask = sampling.token_mask
         mask_arg = (mask if mask is not None and mask.active
                     else self._resident(self._inactive_masks, num_seqs, lambda: inactive_mask(
@@ -144,7 +150,7 @@ class ModelRunner:
                      else self._resident(self._no_penalties, num_seqs, lambda: padding_sampling(
                          num_seqs, self.max_model_len, self.vocab_size).penalty_tokens))
         args = [words, penalties, mask_arg]
-        key = inputs.bucket if score_rows is None else (*inputs.bucket, score_rows.shape[1])
+        key = bucket if score_rows is None else (*bucket, score_rows.shape[1])
         if self._inputs_sharding is not None:  # host leaves -> replicated global arrays
             args = [jax.tree.map(lambda x: x if isinstance(x, jax.Array) else self._replicate(x),
                                  a) for a in args]
@@ -153,10 +159,8 @@ class ModelRunner:
                   if self._inputs_sharding is not None else score_rows)
 
         def launch():
-            prev_tokens = prev.next_tokens if prev is not None else self._zero_prev_tokens()
             step = self._executables.get(key) or self._compile([key])[0]
-            self.kv_caches, (out, next_tokens) = step(self.state, self.kv_caches, *args,
-                                                      prev_tokens, scored)
+            out, next_tokens = self._run(step, args, scored, prev)
             wanted = out if want_logprobs else (out.token_ids, out.prompt_logprobs)
             for leaf in jax.tree.leaves(wanted):
                 leaf.copy_to_host_async()  # the copy back starts as soon as it is ready
@@ -165,6 +169,13 @@ class ModelRunner:
         thread = self._dispatch_thread
         return PendingStep(done(launch) if thread is None else thread.submit(launch),
                            want_logprobs)
+
+    def _run(self, step, args: list, scored, prev: PendingStep | None):
+        """Call a compiled step on the device state; returns (output, next_tokens)."""
+        prev_tokens = prev.next_tokens if prev is not None else self._zero_prev_tokens()
+        self.kv_caches, (out, next_tokens) = step(self.state, self.kv_caches, *args,
+                                                  prev_tokens, scored)
+        return out, next_tokens
 
     @property
     def dispatch_thread(self) -> bool:

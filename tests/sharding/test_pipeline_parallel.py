@@ -55,6 +55,51 @@ def test_stages_give_the_single_device_tokens(ckpt, prompts, single_device, layo
     assert stats["num_free_pages"] == stats["num_total_pages"]
 
 
+def test_a_pool_that_preempts_and_prompt_logprobs_keep_the_single_device_results(
+        ckpt, prompts, single_device):
+    """Preempted sequences whose tokens were in flight recompute; the prompt rows a batch
+    scores come back with it as it leaves the pipeline."""
+    params = SamplingParams(temperature=0, max_tokens=8, ignore_eos=True, prompt_logprobs=1)
+    small = dict(ARGS, block_size=4, num_gpu_blocks_override=15, kv_plan_limit=1.0)
+    reference = LLM(ckpt, **ARGS).generate(prompts[:4], params)
+    llm = LLM(ckpt, **small, pipeline_parallel_size=2)
+    outputs = llm.generate(prompts[:4], params)
+    assert [o.outputs[0].token_ids for o in outputs] == single_device[:4]
+    assert llm.stats()["num_preemptions"] > 0
+    for got, want in zip(outputs, reference):
+        assert [None if lp is None else sorted(lp) for lp in got.prompt_logprobs] == [
+            None if lp is None else sorted(lp) for lp in want.prompt_logprobs]
+        for lp_got, lp_want in zip(got.prompt_logprobs[1:], want.prompt_logprobs[1:]):
+            for token in lp_want:
+                assert lp_got[token].logprob == pytest.approx(lp_want[token].logprob, abs=1e-4)
+    stats = llm.stats()
+    assert stats["num_free_pages"] == stats["num_total_pages"]
+
+
+def test_at_steady_decode_no_stage_idles(ckpt):
+    """2 stages x 2 segments: 4 batches in flight. With 8 requests each batch takes 2 and
+    every tick after the fill (3 ticks) and before the drain (3) has all 4 slots busy;
+    the idle stage-ticks are the fill's and the drain's alone."""
+    llm = LLM(ckpt, **{**ARGS, "max_num_seqs": 8, "seq_buckets": [8]},
+              pipeline_parallel_size=2)
+    rng = np.random.default_rng(1)
+    prompts = [{"prompt_token_ids": rng.integers(2, 96, size=5).tolist()} for _ in range(8)]
+    llm.generate(prompts, SamplingParams(temperature=0, max_tokens=6, ignore_eos=True))
+    loop = llm.llm_engine.pipeline
+    depth, occupancy = loop.depth, loop.occupancy
+    assert depth == 4
+    # each group of 2: a prefill tick, then 5 decodes 4 ticks apart; 4 groups entering
+    # one tick apart; the last leaves 3 ticks after it entered
+    assert occupancy == [1, 2, 3] + [4] * 21 + [3, 2, 1]
+    stats = llm.stats()
+    assert stats["pipeline_ticks"] == len(occupancy)
+    assert stats["pipeline_idle_slots"] == 2 * (1 + 2 + 3)
+    # stage 0 runs slots 0 and 2, stage 1 slots 1 and 3: in the fill tick 1 (slot 0
+    # only) stage 1 idles, and in the drain's last tick (slot 3 only) stage 0 does
+    assert stats["pipeline_idle_stage_ticks"] == 2
+    assert stats["pipeline_bubble_fraction"] == pytest.approx(12 / (4 * 27))
+
+
 def test_each_device_holds_only_its_stages_layers_and_their_pages(ckpt):
     llm = LLM(ckpt, precompile=False, **ARGS, **LAYOUTS["pp2_ep2_tp2"])
     engine = llm.llm_engine

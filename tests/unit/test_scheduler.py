@@ -258,3 +258,27 @@ def test_watermark_is_waived_when_nothing_is_running():
     s.add_request(make_request("big", 36, max_tokens=1))  # 9 of 10 pages
     out = step(s)
     assert chunks(out) == [("big", 36)]
+
+
+def test_pipeline_depth_keeps_in_flight_requests_out_and_splits_the_live_ones():
+    """With D batches in flight a request whose token is in the pipeline is not scheduled
+    (not even from the device, as the overlapped loop does), and each batch takes
+    ceil(live / D) requests, so D batches of 6 requests hold 2 each."""
+    s = make_scheduler(max_num_batched_tokens=64)
+    s.pipeline_depth = 3
+    for i in range(6):
+        s.add_request(make_request(f"r{i}", 3))
+    batches = []
+    for _ in range(3):  # three ticks, no token read back yet
+        out = s.schedule()
+        s.update_after_step(out)
+        for seq in out.scheduled:
+            seq.request.num_pending_tokens += 1  # its token is in flight
+        batches.append(chunks(out))
+    assert batches == [[("r0", 3), ("r1", 3)], [("r2", 3), ("r3", 3)], [("r4", 3), ("r5", 3)]]
+    assert s.schedule().is_empty  # every request waits for its token
+    for rid in ("r0", "r1"):  # the first batch leaves the pipeline
+        request = s.get_request(rid)
+        request.num_pending_tokens -= 1
+        request.append_output_token(7)
+    assert chunks(s.schedule()) == [("r0", 1), ("r1", 1)]
