@@ -22,6 +22,7 @@ import numpy as np
 from serving.core.request import RequestOutput
 from serving.core.scheduler_output import SchedulerOutput
 from serving.engine.step_records import Flight, constrained_rows, sampling_entries
+from serving.executor import distributed
 from serving.executor.model_inputs import ModelInputs, build_model_inputs, step_bucket
 from serving.sample.sampling_arrays import SamplingEntry, build_sampling_arrays
 
@@ -76,10 +77,13 @@ class PipelineLoop:
         leaving = slots[-1]
         bucket = self.tick_bucket([slot.batch.bucket for slot in slots if slot is not None])
         sampling = self._sampling(engine, leaving, bucket[1])
+        runner = engine.runner
+        stacked = runner.stack([None if s is None else s.batch for s in slots], bucket)
+        if distributed.is_multiprocess():
+            distributed.publish_tick(stacked, sampling, bucket)
         started = time.perf_counter()
-        pending = engine.runner.dispatch_tick([None if s is None else s.batch for s in slots],
-                                              sampling, bucket,
-                                              None if leaving is None else leaving.score)
+        pending = runner.dispatch_stacked(stacked, sampling, bucket,
+                                          None if leaving is None else leaving.score)
         self.slots = slots
         self._count(slots)
         if entering is not None:

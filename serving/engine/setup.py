@@ -228,10 +228,9 @@ def build_cache(config: EngineConfig, model: Qwen3ForCausalLM, mesh) -> CacheSet
 
 def make_runner(model: Qwen3ForCausalLM, caches, mesh, sched: SchedulerConfig,
                 **kwargs) -> ModelRunner:
-    """The step's runner; over pipeline stages in one process, the pipeline's ticks (the
-    followers of several processes run the leader's steps, not ticks)."""
+    """The step's runner; over pipeline stages, the pipeline's ticks."""
     common = dict(mesh=mesh, max_num_seqs=max(sched.seq_bucket_sizes), **kwargs)
-    if pp_size(mesh) > 1 and not distributed.is_multiprocess():
+    if pp_size(mesh) > 1:
         return PipelineRunner(model, caches, max_num_tokens=max(sched.token_bucket_sizes),
                               **common)
     return ModelRunner(model, caches, **common)

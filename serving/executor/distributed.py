@@ -20,7 +20,7 @@ from serving.sample.sampling_arrays import SamplingArrays
 
 logger = logging.getLogger(__name__)
 
-_STEP, _STOP = 1, 2
+_STEP, _STOP, _TICK = 1, 2, 3
 
 
 def initialize(coordinator_address: str | None, num_processes: int | None,
@@ -62,28 +62,45 @@ def publish_step(inputs: ModelInputs, sampling: SamplingArrays) -> None:
     _broadcast((inputs, dataclasses.replace(sampling, token_mask=None)))
 
 
+def publish_tick(stacked: ModelInputs, sampling: SamplingArrays, bucket: tuple[int, int]
+                 ) -> None:
+    """Process 0: send a pipeline tick's inputs (serving/executor/pipeline_runner.py: the
+    batches in flight stacked, the leaving batch's sampling rows)."""
+    _broadcast(np.array([_TICK, *bucket], np.int32))
+    _broadcast((stacked, dataclasses.replace(sampling, token_mask=None)))
+
+
 def publish_stop() -> None:
     _broadcast(np.array([_STOP, 0, 0], np.int32))
 
 
-def receive_step(pages_per_seq: int, max_model_len: int, vocab_size: int
-                 ) -> tuple[ModelInputs, SamplingArrays] | None:
-    """Followers: the next step's inputs, or None on stop."""
+def receive_step(pages_per_seq: int, max_model_len: int, vocab_size: int, depth: int = 1
+                 ) -> tuple[bool, tuple[int, int], ModelInputs, SamplingArrays] | None:
+    """Followers: (whether it is a pipeline tick, its bucket, its inputs, its sampling
+    rows), or None on stop. depth: the batches a tick stacks."""
     command, num_tokens, num_seqs = (int(x) for x in _broadcast(np.zeros(3, np.int32)))
     if command == _STOP:
         return None
     padding = padding_sampling(num_seqs, max_model_len, vocab_size)
-    template = (padding_inputs(num_tokens, num_seqs, pages_per_seq),
-                dataclasses.replace(padding, token_mask=None))
+    inputs = padding_inputs(num_tokens, num_seqs, pages_per_seq)
+    if command == _TICK:
+        inputs = jax.tree.map(lambda x: np.stack([x] * depth), inputs)
+    template = (inputs, dataclasses.replace(padding, token_mask=None))
     inputs, sampling = jax.tree.map(np.asarray, _broadcast(template))
-    return inputs, dataclasses.replace(sampling, token_mask=padding.token_mask)
+    return (command == _TICK, (num_tokens, num_seqs), inputs,
+            dataclasses.replace(sampling, token_mask=padding.token_mask))
 
 
 def follower_loop(engine) -> int:
-    """Run the leader's steps until it stops; returns the number of steps run."""
-    steps = 0
-    while (step := receive_step(engine.pages_per_seq, engine.max_model_len,
-                                engine.model_config.vocab_size)) is not None:
-        engine.runner.execute(*step)
+    """Run the leader's steps (or pipeline ticks) until it stops; returns how many."""
+    steps, runner = 0, engine.runner
+    while (message := receive_step(engine.pages_per_seq, engine.max_model_len,
+                                   engine.model_config.vocab_size,
+                                   getattr(runner, "depth", 1))) is not None:
+        tick, bucket, inputs, sampling = message
+        if tick:
+            runner.dispatch_stacked(inputs, sampling, bucket).result()
+        else:
+            runner.execute(inputs, sampling)
         steps += 1
     return steps

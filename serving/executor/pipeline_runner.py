@@ -50,10 +50,19 @@ class PipelineRunner(ModelRunner):
         """Start one tick and return at once. batches[v]: the batch at virtual stage v
         (None: an empty slot), each padded here to `bucket`; sampling: the rows of the
         leaving batch (batches[-1]), `score_rows` its prompt rows to score."""
+        return self.dispatch_stacked(self.stack(batches, bucket), sampling, bucket, score_rows)
+
+    def stack(self, batches: list[ModelInputs | None], bucket: tuple[int, int]) -> ModelInputs:
+        """The batches in flight padded to `bucket`, each leaf with a leading axis D."""
         if len(batches) != self.depth:
             raise ValueError(f"a tick takes {self.depth} batches, got {len(batches)}")
         padded = [pad_inputs(b, bucket, self.pages_per_seq) for b in batches]
-        stacked = jax.tree.map(lambda *leaves: np.stack(leaves), *padded)
+        return jax.tree.map(lambda *leaves: np.stack(leaves), *padded)
+
+    def dispatch_stacked(self, stacked: ModelInputs, sampling: SamplingArrays,
+                         bucket: tuple[int, int], score_rows: np.ndarray | None = None
+                         ) -> PendingStep:
+        """`dispatch_tick` of batches already stacked (what several processes send)."""
         return self._dispatch_words(pack((stacked, _small(sampling))), sampling, bucket,
                                     score_rows, None)
 

@@ -26,6 +26,8 @@ if distributed.is_leader():
     outs = llm.generate([{"prompt_token_ids": p} for p in PROMPTS],
                         SamplingParams(temperature=0, max_tokens=8, ignore_eos=True))
     distributed.publish_stop()
+    if layout.get("pipeline_parallel_size", 1) > 1:  # the stages ran as pipeline ticks
+        assert llm.llm_engine.pipeline.stats.num_ticks > 0
     with open(out_path, "w") as f:
         json.dump([o.outputs[0].token_ids for o in outs], f)
 else:
