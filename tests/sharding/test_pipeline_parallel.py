@@ -122,6 +122,35 @@ def test_each_device_holds_only_its_stages_layers_and_their_pages(ckpt):
     assert len(jax.devices()) == 8
 
 
+def _tensor(shape, dtype="f32") -> str:
+    return "tensor<" + "x".join(map(str, shape)) + f"x{dtype}>"
+
+
+def test_the_lowered_tick_of_each_stage_holds_only_its_layers(ckpt):
+    """Inside the tick's shard_map over `stage` (the lowered module's manual computation)
+    every stacked weight holds one of its segment's two layers, every cache a stage's
+    pages, the carry a stage's hidden states."""
+    import re
+
+    llm = LLM(ckpt, precompile=False, **ARGS, pipeline_parallel_size=2)
+    runner = llm.llm_engine.runner
+    text = runner._step.lower(runner.state, runner.kv_caches,
+                              *runner._abstract_args((64, 4))).as_text()
+    bodies = re.findall(r'manual_axes=\{"stage"\} \(([^{]*)\)', text)
+    assert len(bodies) == 1  # one shard_map: the tick
+    local = re.findall(r"tensor<[^>]*>", bodies[0])
+    stacked = [leaf for path, leaf in jax.tree_util.tree_flatten_with_path(runner.state)[0]
+               if "segments" in jax.tree_util.keystr(path)]
+    assert stacked and all(leaf.shape[0] == 2 for leaf in stacked)
+    for leaf in stacked:
+        assert _tensor((1, *leaf.shape[1:])) in local
+        assert _tensor(leaf.shape) not in local
+    for cache in jax.tree.leaves(runner.kv_caches):
+        assert _tensor((cache.shape[0] // 2, *cache.shape[1:])) in local
+        assert _tensor(cache.shape) not in local
+    assert _tensor((1, *runner.carry.shape[1:])) in local
+
+
 @pytest.mark.parametrize("option, value, field", [
     ("speculative_config", {"method": "draft_model", "num_speculative_tokens": 2},
      "speculative_config"),
