@@ -2,10 +2,12 @@
 
 Each engine step is one tick: the scheduler's batch enters virtual stage 0, every batch
 in flight moves one virtual stage on, and the batch at the last one leaves with its
-sampled tokens, which the host reads and processes as a serial step's. A sequence whose
-token is in flight is not scheduled (the scheduler's `pipeline_depth`), and each batch
-takes about 1/D of the live sequences, so at steady decode every slot holds a batch and
-no stage idles; with fewer sequences than slots, some slots run empty (the bubble).
+sampled tokens. Overlapped (`async_scheduling`, one process), the host reads and
+processes a leaving batch's tokens while the next tick runs; serial, before it. A
+sequence whose token is in flight or unread is not scheduled (the scheduler's
+`pipeline_depth`: D batches, one more overlapped), and each batch takes that share of the
+live sequences, so at steady decode every slot holds a batch and no stage idles; with
+fewer sequences than batches, some slots run empty (the bubble).
 
 What a batch needs when it leaves (its sampling rows, its grammar rows, the prompt rows
 it scores) is kept from when it entered: its sequences do not change while it is in
@@ -56,24 +58,43 @@ class PipelineStats:
 class PipelineLoop:
     """The ticks of one engine (its runner: serving/executor/pipeline_runner.py)."""
 
-    def __init__(self, depth: int, num_stages: int, bucket_pairs):
-        self.depth, self.num_stages = depth, num_stages
+    def __init__(self, depth: int, num_stages: int, bucket_pairs, overlap: bool = False):
+        self.depth, self.num_stages, self.overlap = depth, num_stages, overlap
         self.bucket_pairs = sorted(tuple(p) for p in bucket_pairs)
         self.slots: list[InFlight | None] = [None] * depth  # by virtual stage
         self.stats = PipelineStats()
         self.occupancy: list[int] = []  # batches in flight at each tick
+        self._unread: Flight | None = None  # overlapped: the last tick's leaving batch
 
     @property
-    def in_flight(self) -> bool:
-        return any(slot is not None for slot in self.slots)
+    def groups(self) -> int:
+        """The batches a cycle of a sequence spans: the D in flight, and (overlapped) the
+        one that left whose tokens the host reads while the next tick runs."""
+        return self.depth + self.overlap
 
     def step(self, engine) -> list[RequestOutput]:
+        """One tick. Overlapped, the tick is dispatched before the last tick's leaving
+        batch is read, so the host's work on those tokens runs beside it; serial, the
+        tick's own leaving batch is read before the step returns."""
         out = engine.scheduler.schedule()
         entering = None if out.is_empty else self._enter(engine, out)
         slots = [entering, *self.slots[:-1]]
+        unread, self._unread = self._unread, None
+        self.slots = slots
         if not any(slot is not None for slot in slots):
-            self.slots = slots
-            return []
+            return [] if unread is None else engine._retire(unread)
+        leaving = self._dispatch(engine, slots)
+        if entering is not None:
+            for scheduled in out.scheduled:
+                if scheduled.samples:
+                    scheduled.request.num_pending_tokens += 1
+            engine.scheduler.update_after_step(out)
+        if self.overlap:
+            self._unread, leaving = leaving, unread
+        return [] if leaving is None else engine._retire(leaving)
+
+    def _dispatch(self, engine, slots: list[InFlight | None]) -> Flight | None:
+        """Start the tick over `slots`; the leaving batch's Flight (None: no batch leaves)."""
         leaving = slots[-1]
         bucket = self.tick_bucket([slot.batch.bucket for slot in slots if slot is not None])
         sampling = self._sampling(engine, leaving, bucket[1])
@@ -84,17 +105,9 @@ class PipelineLoop:
         started = time.perf_counter()
         pending = runner.dispatch_stacked(stacked, sampling, bucket,
                                           None if leaving is None else leaving.score)
-        self.slots = slots
         self._count(slots)
-        if entering is not None:
-            for scheduled in out.scheduled:
-                if scheduled.samples:
-                    scheduled.request.num_pending_tokens += 1
-            engine.scheduler.update_after_step(out)
-        if leaving is None:
-            return []
-        return engine._retire(Flight(leaving.out, pending, {}, started, leaving.batch,
-                                     leaving.claims))
+        return None if leaving is None else Flight(leaving.out, pending, {}, started,
+                                                   leaving.batch, leaving.claims)
 
     def tick_bucket(self, buckets: list[tuple[int, int]]) -> tuple[int, int]:
         """The smallest compiled (T, S) that holds each batch in flight."""

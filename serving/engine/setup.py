@@ -237,12 +237,15 @@ def make_runner(model: Qwen3ForCausalLM, caches, mesh, sched: SchedulerConfig,
 
 
 def pipeline_loop(runner: ModelRunner, scheduler: Scheduler, mesh, pairs) -> PipelineLoop | None:
-    """The engine's loop of pipeline ticks when its runner runs them (None otherwise); the
-    scheduler then keeps each batch's sequences out until their tokens are read."""
+    """The engine's loop of pipeline ticks when its runner runs them (None otherwise),
+    overlapped as the plain loop is (`async_scheduling`, one process); the scheduler then
+    keeps each batch's sequences out until their tokens are read."""
     if not isinstance(runner, PipelineRunner):
         return None
-    scheduler.pipeline_depth = runner.depth
-    return PipelineLoop(runner.depth, pp_size(mesh), pairs)
+    overlap = scheduler.config.async_scheduling and not distributed.is_multiprocess()
+    loop = PipelineLoop(runner.depth, pp_size(mesh), pairs, overlap)
+    scheduler.pipeline_depth = loop.groups
+    return loop
 
 
 def precompile(setup: CacheSetup, progress: bool) -> float:
