@@ -58,8 +58,7 @@ def pipeline_tick(model: Qwen3ForCausalLM, token_ids: Int[Array, " T"],
 
     Every stage takes the same path (no branch on the stage: a collective in a branch
     only some devices take would stall the others); the stage picks its inputs by index."""
-    mesh = model.runtime.mesh
-    assert mesh is not None, "pipeline stages need a mesh with a stage axis"
+    mesh = _stage_mesh(model)
     pp, num_segments = mesh.shape["stage"], len(model.segments)
     splits = [nnx.split(stack) for stack in model.segments]
     graphdefs = [graphdef for graphdef, _ in splits]
@@ -94,3 +93,14 @@ def pipeline_tick(model: Qwen3ForCausalLM, token_ids: Int[Array, " T"],
         out_specs=(rep, stage_split, stage_split), axis_names={"stage"}, check_vma=False)(
         [state for _, state in splits], list(kv_caches), carry, embedded, positions, metas)
     return model.norm(final), kv_caches, carry
+
+
+def _stage_mesh(model: Qwen3ForCausalLM):
+    """The model's mesh, or the context's abstract mesh of the same axes where there is one
+    (lowering for CUDA without a GPU: pallas_kernels/cuda_lowering.py)."""
+    mesh = model.runtime.mesh
+    assert mesh is not None, "pipeline stages need a mesh with a stage axis"
+    context = jax.sharding.get_abstract_mesh()
+    if not context.empty and context.axis_names == mesh.axis_names:
+        return context
+    return mesh

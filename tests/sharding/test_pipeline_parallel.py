@@ -136,6 +136,30 @@ def test_the_lowered_tick_of_each_stage_holds_only_its_layers(ckpt):
     assert _tensor((1, *runner.carry.shape[1:])) in local
 
 
+def test_the_tick_lowers_for_cuda_with_the_pallas_kernels(tmp_path):
+    """PP2 x TP2 with the Triton kernels (head dim and expert widths the tiles take),
+    lowered for CUDA on this CPU: one shard_map over `stage`, the ragged paged attention
+    and the grouped matmuls inside the stages."""
+    import re
+
+    from pallas_kernels.cuda_lowering import cuda_lowering_context
+
+    save_hf_model(tmp_path, moe=True, num_hidden_layers=4, mlp_only_layers=[0, 1],
+                  num_attention_heads=8, num_key_value_heads=2, head_dim=16, num_experts=8,
+                  moe_intermediate_size=32, intermediate_size=64, vocab_size=96, seed=5)
+    llm = LLM(str(tmp_path), precompile=False, impl="pallas", **ARGS,
+              pipeline_parallel_size=2, tensor_parallel_size=2)
+    engine = llm.llm_engine
+    runner = engine.runner
+    with cuda_lowering_context(engine.mesh):
+        text = runner._step.trace(runner.state, runner.kv_caches,
+                                  *runner._abstract_args((64, 4))).lower(
+            lowering_platforms=("cuda",)).as_text()
+    assert len(re.findall(r'manual_axes=\{"stage"\}', text)) == 1
+    kernels = re.findall(r'xla.gpu.triton.*?name = "([a-z_]+)"', text)
+    assert "ragged_paged_attention" in kernels and "grouped_matmul" in kernels
+
+
 @pytest.mark.parametrize("option, value, field", [
     ("speculative_config", {"method": "draft_model", "num_speculative_tokens": 2},
      "speculative_config"),
