@@ -16,6 +16,7 @@ flight. Sampling rows are built when it leaves, at the tick's sequence bucket.
 
 from __future__ import annotations
 
+import collections
 import dataclasses
 import time
 
@@ -63,7 +64,8 @@ class PipelineLoop:
         self.bucket_pairs = sorted(tuple(p) for p in bucket_pairs)
         self.slots: list[InFlight | None] = [None] * depth  # by virtual stage
         self.stats = PipelineStats()
-        self.occupancy: list[int] = []  # batches in flight at each tick
+        # batches in flight at each of the last ticks (bounded: a server ticks for days)
+        self.occupancy: collections.deque[int] = collections.deque(maxlen=4096)
         self._unread: Flight | None = None  # overlapped: the last tick's leaving batch
 
     @property

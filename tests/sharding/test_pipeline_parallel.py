@@ -92,7 +92,7 @@ def test_at_steady_decode_no_stage_idles(ckpt, overlap, num_requests):
     tokens = [o.outputs[0].token_ids for o in llm.generate(prompts, params)]
     assert tokens == [o.outputs[0].token_ids for o in LLM(ckpt, **args).generate(prompts, params)]
     loop = llm.llm_engine.pipeline
-    groups, occupancy = loop.groups, loop.occupancy
+    groups, occupancy = loop.groups, list(loop.occupancy)
     assert (loop.depth, groups) == (4, 5 if overlap else 4)
     # each group of 2: a prefill, then 5 decodes `groups` ticks apart, the groups entering
     # one tick apart; the last batch leaves 3 ticks after it entered
