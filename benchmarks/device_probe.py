@@ -343,7 +343,7 @@ def stage_lora(emit, args, arm):
     """Decode with 8 rank-16 adapters mixed in each step against no adapter, one engine."""
     import numpy as np
 
-    from qwen_jax.lora import lora_buffer_shapes
+    from qwen_jax.lora_packing import lora_buffer_shapes
     from serving.core.lora_request import LoRARequest
     from serving.core.request import SamplingParams
     from serving.engine.config import engine_config_from_kwargs

@@ -30,7 +30,7 @@ import jax.numpy as jnp
 from flax import nnx
 
 from pallas_kernels.lora import LoRAGroups, lora_groups, lora_matmul_reference
-from qwen_jax.lora import lora_buffer_shapes
+from qwen_jax.lora_packing import lora_buffer_shapes
 
 # Our names of the experts' buffers (qwen_jax/lora.py packs them as mlp.lora_gate_up_a ...
 # in MoE segments too): the sharding table tells them apart by name.

@@ -211,7 +211,7 @@ class Qwen3ForCausalLM(nnx.Module):
 
     def enable_lora(self, max_loras: int, max_lora_rank: int) -> None:
         """Preallocate `max_loras` adapter slots of rank <= `max_lora_rank` in every layer
-        (zeros: slot contents come from qwen_jax/lora.py's `pack_adapter`)."""
+        (zeros: slot contents come from `pack_adapter` in qwen_jax/lora_packing.py)."""
         lora_layers.enable_lora(self, max_loras, max_lora_rank)
 
     def _forward_capturing(self, x, kv_caches: KVCache, ctx: StepContext):

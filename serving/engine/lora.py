@@ -3,7 +3,8 @@
 
 from __future__ import annotations
 
-from qwen_jax.lora import load_adapter, pack_adapter
+from qwen_jax.lora import load_adapter
+from qwen_jax.lora_packing import pack_adapter
 from qwen_jax.validation import require
 from serving.core.lora_request import LoRARequest
 from serving.core.lora_slots import LoRASlots

@@ -211,7 +211,7 @@ class ModelRunner:
         return self._no_prev_tokens
 
     def write_lora_slot(self, index: int, packed: list[dict]) -> None:
-        """LoRA buffer `index` <- a packed adapter (qwen_jax/lora.py), after every step
+        """LoRA buffer `index` <- a packed adapter (qwen_jax/lora_packing.py), after every step
         already dispatched (the buffers are donated to the write)."""
         def write():
             model = nnx.merge(self.graphdef, self.state)

@@ -9,7 +9,8 @@ import pytest
 import torch
 
 from qwen_jax.config import ModelConfig
-from qwen_jax.lora import LoRAAdapter, load_adapter, lora_buffer_shapes, pack_adapter
+from qwen_jax.lora import LoRAAdapter, load_adapter
+from qwen_jax.lora_packing import lora_buffer_shapes, pack_adapter
 from tests.helpers.hf import hf_logits, save_hf_model
 from tests.helpers.lora import (
     PREFIX,

@@ -11,8 +11,9 @@ from flax import nnx
 
 import pallas_kernels
 from qwen_jax import Qwen3ForCausalLM, moe
-from qwen_jax.lora import load_adapter, pack_adapter
+from qwen_jax.lora import load_adapter
 from qwen_jax.lora_layers import write_slot
+from qwen_jax.lora_packing import pack_adapter
 from tests.helpers.hf import hf_logits, save_hf_model
 from tests.helpers.lora import save_peft_adapter
 

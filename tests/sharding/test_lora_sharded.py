@@ -7,8 +7,9 @@ import numpy as np
 import pytest
 
 from qwen_jax import Qwen3ForCausalLM
-from qwen_jax.lora import load_adapter, pack_adapter
+from qwen_jax.lora import load_adapter
 from qwen_jax.lora_layers import write_slot
+from qwen_jax.lora_packing import pack_adapter
 from qwen_jax.sharding import make_mesh
 from tests.helpers.hf import save_hf_model
 from tests.helpers.lora import save_peft_adapter

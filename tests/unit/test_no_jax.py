@@ -19,7 +19,8 @@ MODULES = [*package_modules("serving.core", "serving.parsers", "serving.structur
            "serving.engine.output_processor", "serving.metrics.step_cost",
            "serving.entrypoints.openai.http_policy",
            "serving.entrypoints.openai.structured_requests", "qwen_jax.options",
-           "qwen_jax.validation", "qwen_jax.quantization", "qwen_jax.lora"]
+           "qwen_jax.validation", "qwen_jax.quantization", "qwen_jax.lora",
+           "qwen_jax.lora_packing"]
 
 
 def test_core_modules_do_not_import_jax():
