@@ -34,6 +34,7 @@ from serving.engine.step_records import (
     Flight,
     TokenCounts,
     constrained_rows,
+    decode_only,
     sampling_entries,
     step_shape,
 )
@@ -131,8 +132,7 @@ class LLMEngine(LoRAMethods):
         generation needs)."""
         params = sampling_params or SamplingParams()
         kind = params.output_kind if stream else RequestOutputKind.FINAL_ONLY
-        # Request ids, not sequence ids: a request's first sample can finish (and leave the
-        # scheduler) while its others run, so the scheduler's own check cannot cover them.
+        # By request id: its first sample may leave the scheduler while the others run.
         if request_id in self._parents:
             raise ValueError(f"request_id {request_id!r} is already in use")
         text, ids = prompt_token_ids(prompt, self.tokenizer, self.model_config.vocab_size,
@@ -219,16 +219,15 @@ class LLMEngine(LoRAMethods):
         dispatched before step N's tokens are read; the rows that decode take their input
         token from step N's output on the device, and step N's outputs are processed
         while N+1 computes. A request that finished at step N may be in N+1: that token
-        is dropped. Steps run serially while some live request needs its tokens on the
-        host before the next step (grammar masks), with several processes, and while
-        speculating (serving/engine/speculation.py)."""
+        is dropped. Steps run serially while a live request needs its tokens on the host
+        first (grammar masks), with several processes, and while speculating."""
         if self.pipeline is not None:
             return self.pipeline.step(self)
         if self.speculator is None:
             return self._step()
         began = self.speculator.begin_step(self.scheduler.running)
         outputs = self._step()
-        self.speculator.end_step(began, self.last_step.get("num_generated", 0))
+        self.speculator.end_step(began, self.last_step)
         return outputs
 
     def _step(self) -> list[RequestOutput]:
@@ -259,6 +258,7 @@ class LLMEngine(LoRAMethods):
         outputs = [] if previous is None else self._retire(previous)
         if flight is not None:  # after the step before's tokens are appended: the pages
             self.scheduler.update_after_step(out)  # it fills can then be hashed
+            self.last_step["decode_only"] = self.last_step.get("decode_only") and decode_only(out)
         return outputs
 
     def _can_overlap(self) -> bool:
@@ -306,7 +306,8 @@ class LLMEngine(LoRAMethods):
         self.last_step = {"num_tokens": batch.num_tokens, "num_seqs": out.num_seqs,
                           "bucket": batch.bucket, "seconds": seconds,
                           "num_preempted": len(out.preempted),
-                          "num_admitted": out.num_admitted, "shape": step_shape(batch)}
+                          "num_admitted": out.num_admitted, "shape": step_shape(batch),
+                          "decode_only": decode_only(out)}
         record(flight.claims, result.prompt_logprobs, self.output_processor)
         return self._process_tokens(out, result)
 

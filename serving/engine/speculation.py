@@ -24,7 +24,8 @@ does not allow, and draft row j's mask is the grammar's state after drafts 0..j
 
 How many drafts each sequence verifies, and whether a step speculates at all:
 serving/core/draft_length.py (per-sequence acceptance against the measured cost of each
-step bucket; output tokens/s measured with and without speculation), unless
+step bucket; output tokens/s of decode-only steps measured with and without
+speculation), unless
 `adaptive_draft_length` is off. A step that speculates runs serially (the next step's
 input depends on how many drafts were kept); the others run in the plain loop,
 overlapped where it would be.
@@ -75,10 +76,12 @@ class Speculator:
                 request.draft_token_ids = []
         return time.perf_counter()
 
-    def end_step(self, began: float, num_generated: int) -> None:
-        """The step begun at `began` appended `num_generated` tokens."""
+    def end_step(self, began: float, step: dict) -> None:
+        """The step begun at `began` ended; `step`: the engine's `last_step` (tokens it
+        appended; whether the steps it dispatched and retired only decoded)."""
         if self.switch is not None:
-            self.switch.observe(num_generated, time.perf_counter() - began)
+            self.switch.observe(step.get("num_generated", 0), time.perf_counter() - began,
+                                decode_only=bool(step.get("decode_only")))
 
     def propose(self, running: list[Request], seqs: dict[str, SeqState]) -> None:
         """Sets each running decoding sequence's draft tokens (none for the others)."""

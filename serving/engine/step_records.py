@@ -86,6 +86,12 @@ class Flight:
     claims: list = dataclasses.field(default_factory=list)  # its scored prompt rows' owners
 
 
+def decode_only(out: SchedulerOutput) -> bool:
+    """Whether every sequence of the step decodes (its one new token and its drafts): no
+    prompt chunk, whose cost is the same with speculation and without."""
+    return all(s.num_new_tokens == 1 + s.num_drafts for s in out.scheduled)
+
+
 def step_shape(batch: ModelInputs) -> StepShape:
     """Each scheduled sequence's new tokens and its context once they are written."""
     num_seqs = int(batch.num_seqs)

@@ -165,6 +165,35 @@ def test_the_adaptive_engine_speculates_and_overlaps_by_turns_with_the_same_toke
     assert stats["num_used_pages"] == 0
 
 
+# the flags the switch is given, step by step: request a's prompt at step 0, b's at step 6;
+# an overlapped step counts the step it reads back and the one it dispatches
+PROMPT_CHUNK_FLAGS = {True: [False, True, True, True, True, True, False, True],
+                      False: [False, False, True, True, True, True, False, False, True]}
+
+
+@pytest.mark.parametrize("speculating", [True, False], ids=["serial", "overlapped"])
+def test_the_switch_is_told_which_steps_took_a_prompt_chunk(speculating):
+    llm = _llm(enable_prefix_caching=False,
+               speculative_config={**NGRAM, "adaptive_draft_length": True})
+    engine = llm.llm_engine
+    switch = engine.speculator.switch
+    switch.choose = lambda num_running: speculating
+    seen = []
+    switch.observe = lambda num_tokens, seconds, decode_only=True: seen.append(decode_only)
+    a, b = _prompts(("reverse",), 2)
+    params = SamplingParams(temperature=0, max_tokens=64, ignore_eos=True)
+    engine.add_request("a", a, params)
+    for _ in range(6):
+        engine.step()
+    engine.add_request("b", b, params)
+    while engine.has_unfinished_requests():
+        engine.step()
+    expected = PROMPT_CHUNK_FLAGS[speculating]
+    assert seen[:len(expected)] == expected
+    assert all(seen[len(expected):])
+    assert engine.num_overlapped_steps > 0 or speculating
+
+
 def test_seeded_samples_with_a_draft_model_equal_the_plain_engine(plain_llm):
     # the draft proposes greedily: one token each, kept while the target's draw equals it
     llm = _llm(enable_prefix_caching=False, speculative_config=SELF_DRAFT)

@@ -5,7 +5,7 @@ import jax.numpy as jnp
 import numpy as np
 import pytest
 
-from serving.core.draft_length import DraftLengths, SpeculationSwitch
+from serving.core.draft_length import EMA, DraftLengths, SpeculationSwitch
 from serving.core.speculative import SpeculativeConfig, propose_ngram
 from serving.sample.rejection import rejection_sample
 
@@ -260,6 +260,63 @@ def test_the_switch_measures_both_modes_then_runs_the_faster_and_probes_the_othe
     modes = _run_switch(switch, 2 * (probe + 1) + every, {True: 10, False: 30}, num_running=8)
     settled = modes[2 * probe + 1:]
     assert settled[:every - 1] == [False] * (every - 1)
+
+
+def _probe_starts(modes: list[bool], faster: bool) -> list[int]:
+    return [i for i in range(1, len(modes)) if modes[i] != faster and modes[i - 1] == faster]
+
+
+def test_probes_that_confirm_the_choice_come_ever_less_often_up_to_a_bound():
+    probe, every = SpeculationSwitch.PROBE_STEPS, SpeculationSwitch.EXPLORE_EVERY
+    most = SpeculationSwitch.MAX_EXPLORE_EVERY
+    switch = SpeculationSwitch()
+    modes = _run_switch(switch, 2 * (probe + 1) + 6000, {True: 10, False: 30})
+    settled = modes[2 * probe + 1:]
+    starts = _probe_starts(settled, False)
+    assert all(settled[s:s + probe] == [True] * probe and not settled[s + probe]
+               for s in starts)  # each probe: PROBE_STEPS steps of the slower mode
+    gaps = [b - a - probe for a, b in zip(starts, starts[1:])]
+    # the faster mode's steps between probes: 64 first, then twice as many each time, to
+    # the bound
+    assert starts[0] == every
+    assert gaps[:4] == [2 * every, 4 * every, 8 * every, most] and set(gaps[4:]) == {most}
+
+
+def test_a_probe_that_changes_the_choice_starts_the_probes_count_again():
+    probe, every = SpeculationSwitch.PROBE_STEPS, SpeculationSwitch.EXPLORE_EVERY
+    switch = SpeculationSwitch()
+    rates = {True: 10, False: 30}
+    _run_switch(switch, 2 * (probe + 1) + 3000, rates)  # probes now far apart
+    rates[True], rates[False] = 90, 30  # the load changed: speculation now pays
+    modes = _run_switch(switch, 2200, rates)
+    first = modes.index(True)
+    assert modes[first:first + probe] == [True] * probe
+    # the probe's rates turn the choice: speculation runs, the plain loop is probed
+    # after EXPLORE_EVERY steps again, not after the interval the old choice reached
+    after = modes[first + probe:]
+    assert after[:every] == [True] * every and after[every:every + probe] == [False] * probe
+
+
+def test_the_switch_does_not_count_steps_with_a_prompt_chunk():
+    switch = SpeculationSwitch()
+    for _ in range(3):
+        switch.choose(1)
+        switch.observe(8, 0.001, decode_only=False)  # a batch's first tokens, from a prefill
+    assert switch._rates.samples[True] == 0 and switch._rates.rate == {}
+    switch.choose(1)
+    switch.observe(2, 1.0)
+    assert switch._rates.samples[True] == 1 and switch._rates.rate[True] == 2.0
+
+
+def test_the_switch_rates_a_mode_by_its_tokens_over_its_seconds():
+    switch = SpeculationSwitch()
+    for tokens, seconds in [(10, 1.0), (1, 0.01)]:  # 10/s then 100/s: 11 tokens in 1.01 s
+        switch.choose(1)
+        switch.observe(tokens, seconds)
+    rate = switch._rates.rate[True]
+    kept = 1 - EMA
+    assert rate == (kept * 10 + 1) / (kept * 1.0 + 0.01)
+    assert rate < 15  # an average of the two steps' own rates: 10 + EMA * (100 - 10) = 28
 
 
 def test_the_switch_does_not_count_the_step_that_changes_mode():
