@@ -258,7 +258,8 @@ class LLMEngine(LoRAMethods):
         outputs = [] if previous is None else self._retire(previous)
         if flight is not None:  # after the step before's tokens are appended: the pages
             self.scheduler.update_after_step(out)  # it fills can then be hashed
-            self.last_step["decode_only"] = self.last_step.get("decode_only") and decode_only(out)
+            if self.last_step:  # the retired step's record: both steps ran in this call
+                self.last_step["decode_only"] = self.last_step["decode_only"] and decode_only(out)
         return outputs
 
     def _can_overlap(self) -> bool:
