@@ -7,14 +7,15 @@ with n-gram drafts (`--k` draft tokens at most, prompt lookup 1..3), the embedde
 model's shipped draft model (`draft`, two dense layers of half the width) or its shipped
 EAGLE-3 head (`eagle3`, one layer fed the target's hidden states), the draft
 length chosen per sequence and step (the default) or always all proposed (`*_fixed`):
-output tokens/s (median of `--rounds` alternating rounds, after a warm-up round; every
-bucket compiled at start-up, as when serving), the ratios, the mean acceptance length
-(1 + kept drafts per verify step, vLLM's), drafts per verify step, the experts a MoE
-layer is expected to read per step (uniform routing, serving/metrics/step_cost.py) with
-and without drafts, and whether every text is the same. Workloads: `tasks` (the tiny model's four
-tasks, greedy: short answers after long prompts), `repeat` (its copy task only),
-`continue` (the four tasks with `ignore_eos` and 128 tokens: past its answer the model
-goes on repeating its own text, so decoding dominates) and `sampled` (`continue` at
+output tokens/s (median of `--rounds` rounds after a warm-up one; in each round the engines
+take turns batch by batch; every bucket compiled at start-up, as when serving), the ratios,
+the mean acceptance length (1 + kept drafts per verify step, vLLM's), drafts per verify
+step, the experts a MoE layer is expected to read per step (uniform routing,
+serving/metrics/step_cost.py) with and without drafts, and whether every text is the same.
+Workloads: `tasks` (the tiny model's four tasks, greedy: short answers after long
+prompts), `repeat` (its copy task only), `continue` (the four tasks with `ignore_eos` and
+128 tokens: past its answer the model goes on with digits and tags it was never trained
+to write, so decoding dominates and drafts fail more) and `sampled` (`continue` at
 temperature 0.8, seeded). Batch 1 runs the requests one at a time; batch 8 eight at once.
 
     PYTHONPATH=. python benchmarks/speculative.py [--k 3] [--rounds 3] [--out FILE]
@@ -51,11 +52,10 @@ def _prompts(task_names, count: int) -> list[str]:
     return render_prompts(problems[:count], chat_template(TINY_MODEL))
 
 
-def _run(llm, prompts, batch: int, params) -> tuple[float, int, list[str]]:
+def _run(llm, prompts, params) -> tuple[float, int, list[str]]:
+    """One `generate` call: (seconds, output tokens, texts)."""
     started = time.perf_counter()
-    outputs = []
-    for i in range(0, len(prompts), batch):
-        outputs += llm.generate(prompts[i:i + batch], params, use_tqdm=False)
+    outputs = llm.generate(prompts, params, use_tqdm=False)
     seconds = time.perf_counter() - started
     return (seconds, sum(len(o.outputs[0].token_ids) for o in outputs),
             [o.outputs[0].text for o in outputs])
@@ -73,21 +73,35 @@ def _experts(llm, tokens: float) -> float:
 
 
 def compare(workload: str, batch: int, engines: dict, rounds: int) -> dict:
+    """Each round runs every batch of `batch` prompts through each engine in turn (the
+    order rotating from batch to batch), so the machine's drifts in speed, which on
+    these shared machines move a whole engine's run by 30%, fall on all of them alike;
+    an engine's rate in a round: its tokens over its seconds."""
     task_names, sampling = WORKLOADS[workload]
     prompts = _prompts(task_names, 8 if batch == 1 else 16)
+    batches = [prompts[i:i + batch] for i in range(0, len(prompts), batch)]
     params = SamplingParams(**sampling)
+    names = list(engines)
     rates: dict[str, list[float]] = {name: [] for name in engines}
-    texts: dict[str, list[str]] = {}
+    texts: dict[str, list[str]] = {name: [] for name in engines}
     counts = {name: [0, 0, 0] for name in engines}
     for llm in engines.values():  # warm-up
-        _run(llm, prompts, batch, params)
+        for chunk in batches:
+            _run(llm, chunk, params)
     for _ in range(rounds):
-        for name, llm in engines.items():
-            before = _spec_counts(llm)
-            seconds, tokens, texts[name] = _run(llm, prompts, batch, params)
-            rates[name].append(tokens / seconds)
-            for i, (a, b) in enumerate(zip(before, _spec_counts(llm))):
-                counts[name][i] += b - a
+        seconds, tokens = dict.fromkeys(names, 0.0), dict.fromkeys(names, 0)
+        for i, chunk in enumerate(batches):
+            for name in names[i % len(names):] + names[:i % len(names)]:
+                llm = engines[name]
+                before = _spec_counts(llm)
+                took, made, out = _run(llm, chunk, params)
+                seconds[name] += took
+                tokens[name] += made
+                texts[name] += out
+                for j, (a, b) in enumerate(zip(before, _spec_counts(llm))):
+                    counts[name][j] += b - a
+        for name in names:
+            rates[name].append(tokens[name] / seconds[name])
     median = {name: statistics.median(r) for name, r in rates.items()}
     row = {"workload": workload, "batch": batch, "output_tokens_per_s": median}
     for name in [n for n in engines if not n.startswith("none")]:
