@@ -10,8 +10,9 @@ length chosen per sequence and step (the default) or always all proposed (`*_fix
 output tokens/s (median of `--rounds` rounds after a warm-up one; in each round the engines
 take turns batch by batch; every bucket compiled at start-up, as when serving), the ratios,
 the mean acceptance length (1 + kept drafts per verify step, vLLM's), drafts per verify
-step, the experts a MoE layer is expected to read per step (uniform routing,
-serving/metrics/step_cost.py) with and without drafts, and whether every text is the same.
+step, the share of engine steps that speculated (the adaptive switch's choice), the experts
+a MoE layer is expected to read per step (uniform routing, serving/metrics/step_cost.py)
+with and without drafts, and whether every text is the same.
 Workloads: `tasks` (the tiny model's four tasks, greedy: short answers after long
 prompts), `repeat` (its copy task only), `continue` (the four tasks with `ignore_eos` and
 128 tokens: past its answer the model goes on with digits and tags it was never trained
@@ -61,10 +62,14 @@ def _run(llm, prompts, params) -> tuple[float, int, list[str]]:
             [o.outputs[0].text for o in outputs])
 
 
-def _spec_counts(llm) -> tuple[int, int, int]:
+def _spec_counts(llm) -> tuple[int, ...]:
+    """Verify steps, draft tokens, kept drafts, engine steps begun speculating."""
     stats = llm.stats()
+    speculator = llm.llm_engine.speculator
     return (stats["spec_decode_num_drafts"], stats["spec_decode_num_draft_tokens"],
-            stats["spec_decode_num_accepted_tokens"])
+            stats["spec_decode_num_accepted_tokens"],
+            0 if speculator is None else speculator.num_steps[True],
+            0 if speculator is None else speculator.num_steps[False])
 
 
 def _experts(llm, tokens: float) -> float:
@@ -84,7 +89,7 @@ def compare(workload: str, batch: int, engines: dict, rounds: int) -> dict:
     names = list(engines)
     rates: dict[str, list[float]] = {name: [] for name in engines}
     texts: dict[str, list[str]] = {name: [] for name in engines}
-    counts = {name: [0, 0, 0] for name in engines}
+    counts = {name: [0] * 5 for name in engines}
     for llm in engines.values():  # warm-up
         for chunk in batches:
             _run(llm, chunk, params)
@@ -105,12 +110,14 @@ def compare(workload: str, batch: int, engines: dict, rounds: int) -> dict:
     median = {name: statistics.median(r) for name, r in rates.items()}
     row = {"workload": workload, "batch": batch, "output_tokens_per_s": median}
     for name in [n for n in engines if not n.startswith("none")]:
-        steps, drafted, kept = counts[name]
+        steps, drafted, kept, speculating, plain = counts[name]
         per_step = drafted / steps if steps else 0.0
         row[name] = {"over_none": median[name] / median["none"],
                      "over_none_serial": median[name] / median["none_serial"],
                      "mean_acceptance_length": 1 + kept / steps if steps else None,
                      "drafts_per_verify_step": per_step,
+                     # the adaptive switch's choice: the share of engine steps speculating
+                     "speculating_steps": speculating / max(speculating + plain, 1),
                      "experts_per_layer_step": _experts(engines[name], batch * (1 + per_step)),
                      "same_texts": texts[name] == texts["none"]}
     row["experts_per_layer_step_none"] = _experts(engines["none"], batch)

@@ -60,6 +60,7 @@ class Speculator:
         self.lengths = DraftLengths(token_buckets) if adaptive else None
         self.switch = SpeculationSwitch() if adaptive else None
         self.active = True  # whether this step speculates (else the plain loop runs it)
+        self.num_steps = {True: 0, False: 0}  # engine steps begun speculating / not
         self.num_drafts = 0           # verify steps of a sequence with drafts
         self.num_draft_tokens = 0
         self.num_accepted_tokens = 0
@@ -71,6 +72,7 @@ class Speculator:
         """Chooses whether the step about to run speculates (`active`); returns its start."""
         was_active = self.active
         self.active = self.switch is None or self.switch.choose(len(running))
+        self.num_steps[self.active] += 1
         if was_active and not self.active:  # drafts proposed but not run are dropped
             for request in running:
                 request.draft_token_ids = []

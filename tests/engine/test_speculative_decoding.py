@@ -162,6 +162,8 @@ def test_the_adaptive_engine_speculates_and_overlaps_by_turns_with_the_same_toke
     stats = llm.stats()
     assert stats["spec_decode_num_accepted_tokens"] > 0
     assert llm.llm_engine.num_overlapped_steps > 0
+    steps = llm.llm_engine.speculator.num_steps  # engine steps begun in either mode
+    assert steps[True] >= stats["spec_decode_num_drafts"] // 8 > 0 and steps[False] > 0
     assert stats["num_used_pages"] == 0
 
 
