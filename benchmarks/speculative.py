@@ -63,7 +63,7 @@ def _run(llm, prompts, params) -> tuple[float, int, list[str]]:
 
 
 def _spec_counts(llm) -> tuple[int, ...]:
-    """Verify steps, draft tokens, kept drafts, engine steps begun speculating."""
+    """Verify steps, draft tokens, kept drafts, engine steps begun speculating and not."""
     stats = llm.stats()
     speculator = llm.llm_engine.speculator
     return (stats["spec_decode_num_drafts"], stats["spec_decode_num_draft_tokens"],

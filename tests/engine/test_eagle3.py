@@ -112,6 +112,7 @@ def _prompts(task_names, per_task):
     return render_prompts(problems, chat_template(TINY_MODEL))
 
 
+@pytest.mark.slow
 def test_the_embedded_model_drafts_with_its_shipped_head():
     # {"method": "eagle3"} without a model: qwen_jax/assets/tiny-qwen3-eagle3, trained on
     # the tiny model's tasks by scripts/train_eagle3.py

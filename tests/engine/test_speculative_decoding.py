@@ -209,6 +209,7 @@ def test_seeded_samples_with_a_draft_model_equal_the_plain_engine(plain_llm):
     assert 1.5 < stats["spec_decode_mean_acceptance_length"] < 4  # the draws differ at times
 
 
+@pytest.mark.slow
 def test_the_draft_model_compiles_at_start_up_only():
     llm = LLM(model=str(TINY_MODEL), show_progress=False, max_num_seqs=8,
               max_num_batched_tokens=64, enable_prefix_caching=False,
@@ -278,6 +279,7 @@ def test_unsupported_configs_are_refused_at_start(config, match):
         EngineConfig(speculative_config=config)
 
 
+@pytest.mark.slow
 def test_the_embedded_model_drafts_with_its_shipped_draft_model(plain_llm, plain_texts):
     # {"method": "draft_model"} without a model: qwen_jax/assets/tiny-qwen3-draft, two
     # dense layers trained on the same tasks (scripts/train_tiny.py --draft)
