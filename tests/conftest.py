@@ -16,3 +16,24 @@ import jax  # noqa: E402
 jax.config.update("jax_default_matmul_precision", "highest")
 
 pytest_plugins = ["tests.helpers.no_skips", "pytester"]
+
+
+import pytest  # noqa: E402
+
+from serving.executor.shared_executables import SHARED  # noqa: E402
+
+
+@pytest.fixture(autouse=True)
+def _patched_traces_share_nothing(request):
+    """A test that monkeypatches may change what a step traces to (a module's knob, the
+    kernels): its engines neither take nor leave shared executables
+    (serving/executor/shared_executables.py)."""
+    if "monkeypatch" not in request.fixturenames:
+        yield
+        return
+    limit, SHARED.limit = SHARED.limit, 0
+    SHARED.clear()
+    try:
+        yield
+    finally:
+        SHARED.limit = limit

@@ -55,10 +55,7 @@ class LLMEngine(LoRAMethods):
 
     def __init__(self, config: EngineConfig, devices=None):
         self.config = config
-        cache_dir = config.compilation_cache_dir
-        compilation_cache.enable_compilation_cache(
-            compilation_cache.default_compilation_cache_dir() if cache_dir == "default"
-            else cache_dir)
+        compilation_cache.enable_compilation_cache(config.compilation_cache_dir)
         started = time.perf_counter()
         self.model_path = resolve_model_path(config.model or DEFAULT_MODEL_DIR)
         self.mesh = engine_setup.replica_mesh(config, self.model_path, devices)

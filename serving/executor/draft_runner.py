@@ -24,6 +24,13 @@ from flax import nnx
 from qwen_jax.attention import AttentionMetadata
 from serving.executor.model_inputs import ModelInputs
 from serving.executor.model_runner import attention_metadata, padding_inputs
+from serving.executor.shared_executables import (
+    compile_shared,
+    hashable_or_none,
+    signature,
+    trace_options,
+    traced_function,
+)
 
 
 def chained_metadata(inputs: ModelInputs, offset: int, page_size: int):
@@ -74,13 +81,24 @@ class DraftRunner:
         return np.asarray(drafts)
 
     def precompile(self, pairs) -> float:
-        """Compile the proposal of every (T, S) bucket (the engine's), so serving does not."""
+        """Compile the proposal of every (T, S) bucket (the engine's), so serving does not;
+        shared with the process's other engines as the target's steps are
+        (serving/executor/shared_executables.py)."""
         started = time.perf_counter()
-        for t, s in pairs:
-            shapes = jax.tree.map(lambda x: jax.ShapeDtypeStruct(np.shape(x), np.asarray(x).dtype),
-                                  padding_inputs(t, s, self.pages_per_seq))
-            self._executables[(t, s)] = self._propose.lower(
-                self.state, self.kv_caches, shapes, *self.extra_args()).compile()
+        pairs = [tuple(p) for p in pairs]
+        shapes = [jax.tree.map(lambda x: jax.ShapeDtypeStruct(np.shape(x), np.asarray(x).dtype),
+                               padding_inputs(t, s, self.pages_per_seq)) for t, s in pairs]
+        extra = self.extra_args()
+        common = (traced_function(self._propose), self.graphdef, self.num_drafts,
+                  self.page_size, self.pages_per_seq, getattr(self, "runtime", None),
+                  trace_options(), signature(self.state), signature(self.kv_caches),
+                  signature(extra))
+        keys = [hashable_or_none((common, signature(shape))) for shape in shapes]
+        compiled, _ = compile_shared(
+            self, keys,
+            lambda i: self._propose.lower(self.state, self.kv_caches, shapes[i], *extra),
+            lambda indices, lowered: [low.compile() for low in lowered])
+        self._executables.update(zip(pairs, compiled))
         return time.perf_counter() - started
 
     def _propose_impl(self, state, kv_caches, inputs: ModelInputs, *extra):

@@ -23,6 +23,13 @@ from qwen_jax.lora_layers import write_slot
 from qwen_jax.sharding import replicated
 from serving.executor.dispatch import DispatchThread, PendingStep, done
 from serving.executor.model_inputs import ModelInputs
+from serving.executor.shared_executables import (
+    compile_shared,
+    hashable_or_none,
+    signature,
+    trace_options,
+    traced_function,
+)
 from serving.executor.transfer import pack, packed_size, unpack
 from serving.sample.sampler import sample, token_logprobs
 from serving.sample.sampling_arrays import (
@@ -252,12 +259,13 @@ class ModelRunner:
             np.shape(x), np.asarray(x).dtype, sharding=self._inputs_sharding), host), bucket)
 
     def _compile(self, buckets, progress: bool = False, on_compiled=None):
-        """Trace and lower each bucket's step (Python, serial), then compile them on a
-        thread pool: XLA compiles in C++ without the GIL, so buckets build in parallel.
-        on_compiled(bucket, executable, seconds) is called as each one is ready."""
+        """Each bucket's step: the process's shared executable where one fits
+        (serving/executor/shared_executables.py), else traced and lowered (Python, serial)
+        and compiled on a thread pool: XLA compiles in C++ without the GIL, so buckets
+        build in parallel. on_compiled(bucket, executable, seconds) is called as each one
+        is ready."""
         from tqdm import tqdm
-        lowered = [self._step.lower(self.state, self.kv_caches, *self._abstract_args(b))
-                   for b in buckets]
+        keys = self._shared_keys(buckets)
 
         def compile_one(bucket, low):
             start = time.perf_counter()
@@ -266,12 +274,28 @@ class ModelRunner:
                 on_compiled(bucket, executable, time.perf_counter() - start)
             return executable
 
-        workers = max(1, min(len(buckets), os.cpu_count() or 1))
-        with concurrent.futures.ThreadPoolExecutor(workers) as pool:
-            compiled = list(tqdm(pool.map(compile_one, buckets, lowered), total=len(buckets),
-                                 desc="compiling buckets", unit="bucket", disable=not progress))
+        def compile_all(indices, lowered):
+            todo = [buckets[i] for i in indices]
+            workers = max(1, min(len(todo), os.cpu_count() or 1))
+            with concurrent.futures.ThreadPoolExecutor(workers) as pool:
+                return list(tqdm(pool.map(compile_one, todo, lowered), total=len(todo),
+                                 desc="compiling buckets", unit="bucket",
+                                 disable=not progress))
+
+        compiled, built = compile_shared(self, keys, lambda i: self._step.lower(
+            self.state, self.kv_caches, *self._abstract_args(buckets[i])), compile_all)
+        for i in sorted(set(range(len(buckets))) - set(built)):
+            if on_compiled is not None:  # shared: nothing to wait for
+                on_compiled(buckets[i], compiled[i], 0.0)
         self._executables.update(zip(buckets, compiled))
         return compiled
+
+    def _shared_keys(self, buckets) -> list:
+        """What each bucket's trace depends on (None: not shareable)."""
+        common = (traced_function(self._step), self.graphdef, self.max_model_len,
+                  self.pages_per_seq, self.max_num_seqs, self.vocab_size, trace_options(),
+                  signature(self.state), signature(self.kv_caches))
+        return [hashable_or_none((common, signature(self._abstract_args(b)))) for b in buckets]
 
     def precompile(self, pairs, progress: bool = True, on_compiled=None) -> float:
         """Compile every (T, S) bucket up front, so serving never compiles."""
