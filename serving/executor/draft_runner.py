@@ -25,7 +25,7 @@ from qwen_jax.attention import AttentionMetadata
 from serving.executor.model_inputs import ModelInputs
 from serving.executor.model_runner import attention_metadata, padding_inputs
 from serving.executor.shared_executables import (
-    compile_shared,
+    SHARED,
     hashable_or_none,
     signature,
     trace_options,
@@ -94,7 +94,7 @@ class DraftRunner:
                   trace_options(), signature(self.state), signature(self.kv_caches),
                   signature(extra))
         keys = [hashable_or_none((common, signature(shape))) for shape in shapes]
-        compiled, _ = compile_shared(
+        compiled, _ = SHARED.compile(
             self, keys,
             lambda i: self._propose.lower(self.state, self.kv_caches, shapes[i], *extra),
             lambda indices, lowered: [low.compile() for low in lowered])

@@ -24,7 +24,7 @@ from qwen_jax.sharding import replicated
 from serving.executor.dispatch import DispatchThread, PendingStep, done
 from serving.executor.model_inputs import ModelInputs
 from serving.executor.shared_executables import (
-    compile_shared,
+    SHARED,
     hashable_or_none,
     signature,
     trace_options,
@@ -282,10 +282,10 @@ class ModelRunner:
                                  desc="compiling buckets", unit="bucket",
                                  disable=not progress))
 
-        compiled, built = compile_shared(self, keys, lambda i: self._step.lower(
+        compiled, built = SHARED.compile(self, keys, lambda i: self._step.lower(
             self.state, self.kv_caches, *self._abstract_args(buckets[i])), compile_all)
-        for i in sorted(set(range(len(buckets))) - set(built)):
-            if on_compiled is not None:  # shared: nothing to wait for
+        if on_compiled is not None:
+            for i in set(range(len(buckets))) - set(built):  # shared: nothing to wait for
                 on_compiled(buckets[i], compiled[i], 0.0)
         self._executables.update(zip(buckets, compiled))
         return compiled

@@ -98,6 +98,22 @@ class SharedExecutables:
     def __len__(self) -> int:
         return len(self._held)
 
+    def compile(self, user, keys: list[Hashable | None], lower: Callable[[int], object],
+                compile_all: Callable[[list[int], list], list]) -> tuple[list, list[int]]:
+        """The executables of `keys` for `user` (the runner keeping them): the shared ones
+        where held, the others lowered (`lower(i)`) and compiled (`compile_all(indices,
+        lowered)`) and then shared; and the indices of those compiled. A key of None is
+        never shared (its trace depends on something unhashable)."""
+        found = [self.get(user, key) for key in keys]
+        missing = [i for i, compiled in enumerate(found) if compiled is None]
+        if missing:
+            self.make_room(len(missing))
+        built = compile_all(missing, [lower(i) for i in missing]) if missing else []
+        for i, compiled in zip(missing, built):
+            found[i] = compiled
+            self.put(user, keys[i], compiled)
+        return found, missing
+
     def make_room(self, count: int) -> None:
         """Before `count` executables are compiled: drops the references used longest ago
         that no engine uses until the executables alive and those to come fit `limit`
@@ -109,9 +125,11 @@ class SharedExecutables:
         with self._lock:
             in_use = set().union(*self._users.values())  # dropping those frees nothing
             unused = [key for key in self._held if key not in in_use]  # oldest first
-            for key in unused[:max(excess, 0)]:
+            dropped = unused[:max(excess, 0)]
+            for key in dropped:
                 del self._held[key]
-        gc.collect()
+        if dropped:
+            gc.collect()  # free them now (jax's compiled objects are reference cycles)
 
     def _excess(self, count: int) -> int:
         """How many executables too many there would be with `count` more."""
@@ -138,23 +156,6 @@ def mapped_regions() -> tuple[int, int] | None:
 SHARED = SharedExecutables()
 
 
-def compile_shared(user, keys: list[Hashable | None], lower: Callable[[int], object],
-                   compile_all: Callable[[list[int], list], list]) -> tuple[list, list[int]]:
-    """The executables of `keys` for `user` (the runner keeping them): the shared ones
-    where held, the others lowered (`lower(i)`) and compiled (`compile_all(indices,
-    lowered)`) and then shared; and the indices of those compiled. A key of None is never
-    shared (its trace depends on something unhashable)."""
-    found = [SHARED.get(user, key) for key in keys]
-    missing = [i for i, compiled in enumerate(found) if compiled is None]
-    if missing:
-        SHARED.make_room(len(missing))
-    built = compile_all(missing, [lower(i) for i in missing]) if missing else []
-    for i, compiled in zip(missing, built):
-        found[i] = compiled
-        SHARED.put(user, keys[i], compiled)
-    return found, missing
-
-
 def traced_function(jitted) -> Hashable:
     """The function a `jax.jit` wraps (a bound method: its class's function), with the
     class of the object it is bound to."""
@@ -172,5 +173,5 @@ def hashable_or_none(key: tuple) -> Hashable | None:
     return key
 
 
-__all__ = ["SHARED", "SharedExecutables", "compile_shared", "hashable_or_none", "signature",
+__all__ = ["SHARED", "SharedExecutables", "hashable_or_none", "signature",
            "trace_options", "traced_function"]

@@ -9,7 +9,6 @@ from serving.executor.shared_executables import (
     REGIONS_PER_EXECUTABLE,
     SHARED,
     SharedExecutables,
-    compile_shared,
 )
 from tests.engine.conftest import hf_greedy, make_prompts
 from tests.helpers.hf import save_hf_model
@@ -63,13 +62,8 @@ class _Runner:
 
 
 def _compile(cache: SharedExecutables, runner: _Runner, keys) -> list:
-    import serving.executor.shared_executables as module
-    saved, module.SHARED = module.SHARED, cache
-    try:
-        found, built = compile_shared(runner, keys, lambda i: None,
-                                      lambda indices, lowered: [_Executable() for _ in indices])
-    finally:
-        module.SHARED = saved
+    found, built = cache.compile(runner, keys, lambda i: None,
+                                 lambda indices, lowered: [_Executable() for _ in indices])
     runner.executables += found
     return built
 
