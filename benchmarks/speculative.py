@@ -6,7 +6,10 @@ speculation (overlapped loop, the default, and serial: speculation steps seriall
 with n-gram drafts (`--k` draft tokens at most, prompt lookup 1..3), the embedded
 model's shipped draft model (`draft`, two dense layers of half the width) or its shipped
 EAGLE-3 head (`eagle3`, one layer fed the target's hidden states), the draft
-length chosen per sequence and step (the default) or always all proposed (`*_fixed`):
+length chosen per sequence and step (the default) or always all proposed (`*_fixed`;
+for the draft model and the head also `*_host`: fixed, the host waiting for each
+proposal's drafts before it builds the verify step, where by default they stay on the
+device):
 output tokens/s (median of `--rounds` rounds after a warm-up one; in each round the engines
 take turns batch by batch; every bucket compiled at start-up, as when serving), the ratios,
 the mean acceptance length (1 + kept drafts per verify step, vLLM's), drafts per verify
@@ -135,8 +138,9 @@ def main() -> None:
     args = parser.parse_args()
     spec = {"method": "ngram", "num_speculative_tokens": args.k, "prompt_lookup_min": 1,
             "prompt_lookup_max": 3}
-    # every bucket compiled at start-up; few of them: eight engines share this process (an
-    # executable maps ~700 regions on CPU, a process may map 65,530). A step's rows (a
+    # every bucket compiled at start-up; few of them: ten engines share this process (an
+    # executable maps ~700 regions on CPU, a process may map 65,530; engines of the same
+    # shapes share their executables). A step's rows (a
     # sequence's, one per draft) fit max_num_seqs: 32 for 8 sequences and 3 drafts each.
     common = dict(model=str(TINY_MODEL), show_progress=False, enable_prefix_caching=False,
                   max_num_seqs=32, max_num_batched_tokens=512, token_buckets=[16, 64, 512],
@@ -148,6 +152,10 @@ def main() -> None:
         engines[name] = LLM(**common, speculative_config=config)
         engines[f"{name}_fixed"] = LLM(**common, speculative_config={
             **config, "adaptive_draft_length": False})
+        if name != "ngram":
+            engines[f"{name}_host"] = LLM(**common, speculative_config={
+                **config, "adaptive_draft_length": False})
+            engines[f"{name}_host"].llm_engine.speculator.keep_drafts_on_device = False
     rows = [compare(w, b, engines, args.rounds) for w in args.workloads for b in args.batches]
     report = {"k": args.k, "rounds": args.rounds, "results": rows}
     print(json.dumps(report, indent=2))

@@ -18,6 +18,7 @@ from __future__ import annotations
 
 from collections.abc import Sequence
 
+import jax
 import numpy as np
 
 from serving.core.request import Request
@@ -41,7 +42,20 @@ class DraftModelProposer:
         self._computed: dict[str, tuple[int, int]] = {}
 
     def propose(self, requests: Sequence[Request], ks: Sequence[int]) -> list[list[int]]:
-        """Up to ks[i] drafts for requests[i] (each decoding: its last token is known)."""
+        """Up to ks[i] drafts for requests[i] (each decoding: its last token is known);
+        waits for them."""
+        drafts, rows = self.dispatch(requests)
+        if drafts is None:
+            return [[] for _ in requests]
+        k = self.runner.num_drafts
+        host = np.asarray(drafts).tolist()
+        return [[] if row is None else host[row * k:row * k + n] for row, n in zip(rows, ks)]
+
+    def dispatch(self, requests: Sequence[Request]) -> tuple[jax.Array | None, list[int | None]]:
+        """Start the proposal for `requests` (each decoding); returns at once with its flat
+        drafts on the device (request i's k drafts at rows[i] * k, None for a request
+        whose catch-up does not end this step; the array is None when none is proposed
+        for)."""
         budget = max(self.token_buckets)
         scheduled: list[ScheduledSeq] = []
         rows: list[int | None] = []  # per request: its drafts' row, if its catch-up ends
@@ -63,7 +77,7 @@ class DraftModelProposer:
             self._computed[request.request_id] = (min(start + num, allocated),
                                                   request.num_preemptions)
         if not scheduled:
-            return [[] for _ in requests]
+            return None, rows
         inputs = build_model_inputs(SchedulerOutput(scheduled, []), self.token_buckets,
                                     self.seq_buckets, self.page_size, self.pages_per_seq,
                                     None, self.page_table)
@@ -72,8 +86,7 @@ class DraftModelProposer:
                 (t for seq in scheduled for t in seq.request.tokens(
                     seq.start + self.lag, seq.start + self.lag + seq.num_new_tokens)),
                 np.int32, inputs.num_tokens)
-        drafts = self.runner.propose(inputs).tolist()
-        return [[] if row is None else drafts[row][:k] for row, k in zip(rows, ks)]
+        return self.runner.dispatch(inputs), rows
 
     def forget(self, request_id: str) -> None:
         self._computed.pop(request_id, None)

@@ -164,7 +164,7 @@ def draft_proposer(draft, target: Qwen3ForCausalLM, runner: ModelRunner, page_ta
     if draft is None or spec is None:
         return None
     common = dict(num_drafts=spec.num_speculative_tokens, page_size=page_size,
-                  pages_per_seq=pages_per_seq)
+                  pages_per_seq=pages_per_seq, width=runner.prev_width)
     if isinstance(draft, Eagle3Head):
         embed = target.embed_tokens[...]
         draft_runner: DraftRunner = EagleRunner(
@@ -172,7 +172,7 @@ def draft_proposer(draft, target: Qwen3ForCausalLM, runner: ModelRunner, page_ta
             aux_cache=lambda: runner.kv_caches[-1][0], runtime=target.runtime, **common)
     else:
         draft_runner = DraftRunner(draft, kv_cache.allocate(draft, num_pages, page_size, dtype),
-                                   **common)
+                                   mesh=draft.mesh, **common)
     return DraftModelProposer(
         draft_runner, page_table, page_size=page_size, pages_per_seq=pages_per_seq,
         token_buckets=sched.token_bucket_sizes, seq_buckets=sched.seq_bucket_sizes,
@@ -215,8 +215,11 @@ def build_cache(config: EngineConfig, model: Qwen3ForCausalLM, mesh) -> CacheSet
     scheduler = Scheduler(sched, kv_manager,
                           swap=SwapManager(num_host_pages, cache.swap_min_tokens))
     scheduler.lora = None if lora is None else lora.slots
+    spec = config.speculative_config
     runner = make_runner(model, caches, mesh, sched, max_model_len=max_model_len,
-                         pages_per_seq=pages_per_seq)
+                         pages_per_seq=pages_per_seq,
+                         num_drafts=0 if draft is None or spec is None
+                         else spec.num_speculative_tokens)
     proposer = draft_proposer(draft, model, runner, page_table, config.speculative_config,
                               sched, num_pages=num_pages, page_size=page_size,
                               pages_per_seq=pages_per_seq, dtype=dtype)

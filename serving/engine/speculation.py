@@ -22,6 +22,14 @@ take the argmax. Under a grammar, a sequence's drafts stop before the first its 
 does not allow, and draft row j's mask is the grammar's state after drafts 0..j
 (serving/structured_output/token_mask.py), so each row samples as the plain engine would.
 
+A draft model's or EAGLE-3 head's drafts stay on the device (`DeviceDrafts`): the
+proposal is dispatched, the step is scheduled and its inputs built while it computes,
+and the verify step takes the drafts from the proposal's output as an overlapped step
+takes its previous step's tokens (`prev_index` into `prev_tokens`); the host reads them
+with the step's tokens, one wait a step. A step with a sequence under a grammar or with
+repetition penalties, whose draft rows need the drafts on the host first (the grammar's
+masks, the penalised tokens), waits for its drafts instead.
+
 How many drafts each sequence verifies, and whether a step speculates at all:
 serving/core/draft_length.py (per-sequence acceptance against the measured cost of each
 step bucket; output tokens/s of decode-only steps measured with and without
@@ -33,7 +41,11 @@ overlapped where it would be.
 
 from __future__ import annotations
 
+import dataclasses
 import time
+
+import jax
+import numpy as np
 
 from serving.core.draft_length import DraftLengths, SpeculationSwitch
 from serving.core.request import Request
@@ -46,6 +58,24 @@ from serving.engine.output_processor import SeqState
 def grammar_drafts(seq: SeqState, drafts: list[int]) -> list[int]:
     """The drafts up to the first its grammar does not allow (all without one)."""
     return drafts if seq.guide is None else drafts[:seq.guide.valid_prefix(drafts)]
+
+
+@dataclasses.dataclass
+class DeviceDrafts:
+    """A dispatched proposal whose drafts the host has not read: the flat drafts on the
+    device (int32[prev_width], DraftRunner.dispatch) and where each request's start."""
+
+    tokens: jax.Array
+    offsets: dict[str, int]  # request id -> its first draft's index in `tokens`
+
+    def fill(self, out: SchedulerOutput) -> None:
+        """Replace the placeholder drafts of the step's sequences by the proposal's."""
+        host = np.asarray(self.tokens)
+        for scheduled in out.scheduled:
+            request, num = scheduled.request, scheduled.num_drafts
+            offset = self.offsets.get(request.request_id)
+            if num and offset is not None:
+                request.draft_token_ids[:num] = host[offset:offset + num].tolist()
 
 
 class Speculator:
@@ -66,6 +96,9 @@ class Speculator:
         self.num_accepted_tokens = 0
         self.accepted_per_position = [0] * k
         self.rejected: dict[str, int] = {}  # the last verified step's, by request id
+        self.on_device: DeviceDrafts | None = None  # this step's drafts, when not on the host
+        self.keep_drafts_on_device = True  # False: the host waits for every proposal
+        self.num_device_proposals = 0  # steps whose drafts stayed on the device
         self._began = 0.0
 
     def begin_step(self, running: list[Request]) -> float:
@@ -76,6 +109,7 @@ class Speculator:
         if was_active and not self.active:  # drafts proposed but not run are dropped
             for request in running:
                 request.draft_token_ids = []
+            self.on_device = None
         return time.perf_counter()
 
     def end_step(self, began: float, step: dict) -> None:
@@ -88,6 +122,7 @@ class Speculator:
     def propose(self, running: list[Request], seqs: dict[str, SeqState]) -> None:
         """Sets each running decoding sequence's draft tokens (none for the others)."""
         self._began = time.perf_counter()  # the step's start: see verify
+        self.on_device = None
         eligible: list[tuple[Request, int, SeqState]] = []
         for request in running:
             request.draft_token_ids = []
@@ -101,6 +136,10 @@ class Speculator:
             k = min(self.config.num_speculative_tokens, room)
             if k > 0:
                 eligible.append((request, k, seq))
+        if self.draft is not None and self.keep_drafts_on_device and eligible and not any(
+                seq.guide is not None or seq.uses_penalties for _, _, seq in eligible):
+            self._propose_on_device(eligible, len(running))
+            return
         proposed = []
         for (request, _, seq), drafts in zip(eligible, self._drafts(eligible)):
             drafts = grammar_drafts(seq, drafts)
@@ -112,6 +151,31 @@ class Speculator:
                 [(r.request_id, len(r.draft_token_ids)) for r in proposed], len(running))
             for request, count in zip(proposed, counts):
                 del request.draft_token_ids[count:]
+
+    def _propose_on_device(self, eligible: list[tuple[Request, int, SeqState]],
+                           num_running: int) -> None:
+        """Dispatch the proposal and leave its drafts on the device: each sequence gets
+        placeholders for the drafts it verifies (their count chosen as for drafts on the
+        host, with k proposed), and `on_device` where they are."""
+        assert self.draft is not None
+        tokens, rows = self.draft.dispatch([request for request, _, _ in eligible])
+        proposed = [(request, k, row) for (request, k, _), row in zip(eligible, rows)
+                    if row is not None]
+        if tokens is None or not proposed:
+            return
+        counts = [k for _, k, _ in proposed]
+        if self.lengths is not None:
+            counts = self.lengths.choose(
+                [(request.request_id, k) for request, k, _ in proposed], num_running)
+        width = self.config.num_speculative_tokens
+        offsets = {}
+        for (request, _, row), count in zip(proposed, counts):
+            if count:
+                request.draft_token_ids = [0] * count
+                offsets[request.request_id] = row * width
+        if offsets:
+            self.on_device = DeviceDrafts(tokens, offsets)
+            self.num_device_proposals += 1
 
     def _drafts(self, eligible: list[tuple[Request, int, SeqState]]) -> list[list[int]]:
         if self.draft is not None:
@@ -135,6 +199,9 @@ class Speculator:
         `self.rejected` (request id -> drafts dropped) for the scheduler."""
         emitted: dict[int, list[tuple[int, int]]] = {}
         self.rejected = {}
+        if self.on_device is not None:  # read with the step's tokens
+            self.on_device.fill(out)
+            self.on_device = None
         if self.lengths is not None and self._began:  # a step that proposed: its time
             self.lengths.observe_step(out.num_batched_tokens, time.perf_counter() - self._began)
             self._began = 0.0  # from its proposals to its tokens
@@ -174,4 +241,4 @@ class Speculator:
         return 1 + self.num_accepted_tokens / self.num_drafts if self.num_drafts else 1.0
 
 
-__all__ = ["Speculator", "grammar_drafts"]
+__all__ = ["DeviceDrafts", "Speculator", "grammar_drafts"]

@@ -18,7 +18,7 @@ from serving.sample.sampling_arrays import SamplerOutput
 
 class PendingStep:
     """A dispatched step: its outputs stay on the device until `result()` reads them.
-    `next_tokens` (i32[max_num_seqs], the sampled ids padded) feeds the following step.
+    `next_tokens` (i32[prev_width], the sampled ids padded) feeds the following step.
     `launched`: the step's call, done or (dispatch thread) still under way; its value is
     (SamplerOutput, next_tokens), whose copy back to the host has been started."""
 

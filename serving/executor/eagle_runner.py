@@ -33,7 +33,7 @@ from serving.executor.model_runner import attention_metadata
 class EagleRunner(DraftRunner):
     def __init__(self, head: Eagle3Head, kv_cache, *, embed_tokens: jax.Array,
                  aux_cache: Callable[[], jax.Array], runtime: Runtime, num_drafts: int,
-                 page_size: int, pages_per_seq: int):
+                 page_size: int, pages_per_seq: int, width: int):
         """embed_tokens: the target's [V, D] (used when the head has none); aux_cache:
         the target's kept hidden states [P, L, 3D] as they are now (read, never donated);
         runtime: the target's kernels and mesh."""
@@ -41,7 +41,7 @@ class EagleRunner(DraftRunner):
         self.aux_cache = aux_cache
         self.runtime = runtime
         super().__init__(head, kv_cache, num_drafts=num_drafts, page_size=page_size,
-                         pages_per_seq=pages_per_seq)
+                         pages_per_seq=pages_per_seq, width=width, mesh=runtime.mesh)
 
     def extra_args(self) -> tuple:
         return self.embed_tokens, self.aux_cache()

@@ -112,11 +112,14 @@ def build_model_inputs(scheduler_output: SchedulerOutput, token_buckets: Sequenc
                        seq_buckets: Sequence[int], page_size: int,
                        pages_per_seq: int, prev_rows: Mapping[str, int] | None = None,
                        page_table: PageTable | None = None,
-                       bucket: tuple[int, int] | None = None) -> ModelInputs:
+                       bucket: tuple[int, int] | None = None,
+                       draft_offsets: Mapping[str, int] | None = None) -> ModelInputs:
     """prev_rows: request id -> its row in the step before, for requests whose last token
     that step sampled is still on the device (Request.num_pending_tokens). page_table:
     the requests' page ids, kept as they change (else read from each request). bucket:
-    step_bucket's (T, S), where the caller has it."""
+    step_bucket's (T, S), where the caller has it. draft_offsets: request id -> where its
+    drafts start in a proposal's flat drafts on the device, which the step reads in place
+    of `prev_tokens` (its draft tokens here are placeholders)."""
     scheduled = scheduler_output.scheduled
     num_seqs = len(scheduled)
     num_tokens = sum(s.num_new_tokens for s in scheduled)
@@ -129,6 +132,8 @@ def build_model_inputs(scheduler_output: SchedulerOutput, token_buckets: Sequenc
     if scheduler_output.num_drafts:
         _draft_rows(scheduled, query_start, logits_index)
     token_ids, prev_index = _token_ids(scheduled, T, num_tokens, logits_index, prev_rows)
+    if draft_offsets:
+        _device_drafts(scheduled, query_start, prev_index, draft_offsets)
     return ModelInputs(token_ids=token_ids, positions=positions, slot_mapping=slot_mapping,
                        query_start=query_start, kv_lens=kv_lens, page_table=table,
                        logits_index=logits_index, num_seqs=np.array(num_seqs, np.int32),
@@ -194,6 +199,17 @@ def _draft_rows(scheduled, query_start: np.ndarray, logits_index: np.ndarray) ->
             first = query_start[i + 1] - 1 - s.num_drafts
             logits_index[row:row + s.num_drafts] = np.arange(first, first + s.num_drafts)
             row += s.num_drafts
+
+
+def _device_drafts(scheduled, query_start: np.ndarray, prev_index: np.ndarray,
+                   offsets: Mapping[str, int]) -> None:
+    """Point each sequence's draft tokens (its chunk's last num_drafts) at its drafts in
+    the proposal's flat output."""
+    for i, s in enumerate(scheduled):
+        offset = offsets.get(s.request.request_id)
+        if s.num_drafts and offset is not None:
+            end = query_start[i + 1]
+            prev_index[end - s.num_drafts:end] = np.arange(offset, offset + s.num_drafts)
 
 
 def _token_ids(scheduled, T: int, num_tokens: int, logits_index: np.ndarray,

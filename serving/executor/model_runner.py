@@ -59,15 +59,19 @@ class ModelRunner:
     """Owns the params, the KV cache and the compiled steps."""
 
     def __init__(self, model, kv_caches, *, max_model_len: int, pages_per_seq: int, mesh=None,
-                 max_num_seqs: int = 256, dispatch_thread: bool | None = None):
-        """max_num_seqs: the largest sequence bucket (the width of `next_tokens`).
-        dispatch_thread: device calls from a `DispatchThread` (None: unless the devices
-        are CPUs, whose calls return at once)."""
+                 max_num_seqs: int = 256, num_drafts: int = 0,
+                 dispatch_thread: bool | None = None):
+        """max_num_seqs: the largest sequence bucket. num_drafts: k of a draft model's or
+        EAGLE-3 head's proposals, whose drafts a step may take in place of `prev_tokens`
+        (serving/engine/speculation.py); 0 without. dispatch_thread: device calls from a
+        `DispatchThread` (None: unless the devices are CPUs, whose calls return at once)."""
         self.graphdef, self.state = nnx.split(model)
         self.kv_caches = kv_caches
         self.max_model_len = max_model_len
         self.pages_per_seq = pages_per_seq
         self.max_num_seqs = max_num_seqs
+        # the width of `next_tokens` and `prev_tokens`: the sampled ids, or the drafts
+        self.prev_width = max_num_seqs * max(1, num_drafts)
         self.vocab_size = model.config.vocab_size
         # (T, S) -> step; (T, S, R) -> the step scoring R prompt rows
         self._executables: dict[tuple, jax.stages.Compiled] = {}
@@ -99,7 +103,8 @@ class ModelRunner:
                    score_rows, bucket: tuple[int, int]):
         """words: the step's small inputs packed (serving/executor/transfer.py); penalty_tokens and
         token_mask travel apart (large, and device-resident when unused); prev_tokens:
-        the previous step's `next_tokens`, read where inputs.prev_index >= 0; score_rows:
+        the previous step's `next_tokens` (or a proposal's flat drafts), read where
+        inputs.prev_index >= 0; score_rows:
         None, or int32[2, R]: prompt rows to score and the token after each."""
         inputs, sampling = unpack(words, self._packed_template(bucket))
         sampling = dataclasses.replace(sampling, penalty_tokens=penalty_tokens,
@@ -117,7 +122,7 @@ class ModelRunner:
         if score_rows is not None:
             scored = jax.nn.log_softmax(model.compute_logits(hidden[score_rows[0]]), axis=-1)
             out = dataclasses.replace(out, prompt_logprobs=token_logprobs(scored, score_rows[1]))
-        next_tokens = jax.numpy.zeros(self.max_num_seqs, jax.numpy.int32).at[
+        next_tokens = jax.numpy.zeros(self.prev_width, jax.numpy.int32).at[
             :bucket[1]].set(out.token_ids)
         return kv_caches, (out, next_tokens)
 
@@ -134,19 +139,20 @@ class ModelRunner:
         return self.dispatch(inputs, sampling).result()
 
     def dispatch(self, inputs: ModelInputs, sampling: SamplingArrays,
-                 prev: PendingStep | None = None,
+                 prev: PendingStep | jax.Array | None = None,
                  score_rows: np.ndarray | None = None) -> PendingStep:
         """Start one step and return at once. Host to device: one packed int32 buffer,
         plus the penalty tokens / grammar mask only when some row uses them (otherwise
         device-resident defaults). `prev`: the step whose sampled tokens rows with
-        inputs.prev_index >= 0 take as input. `score_rows`: int32[2, R] prompt rows to
+        inputs.prev_index >= 0 take as input, or a proposal's flat drafts int32[prev_width]
+        (DraftRunner.dispatch). `score_rows`: int32[2, R] prompt rows to
         score (their logprobs come back as the output's prompt_logprobs)."""
         words = pack((inputs, _small(sampling)))
         return self._dispatch_words(words, sampling, inputs.bucket, score_rows, prev)
 
     def _dispatch_words(self, words: np.ndarray, sampling: SamplingArrays,
                         bucket: tuple[int, int], score_rows: np.ndarray | None,
-                        prev: PendingStep | None) -> PendingStep:
+                        prev: PendingStep | jax.Array | None) -> PendingStep:
         """Start the (T, S) step on the packed inputs `words`; see `dispatch`."""
         num_seqs = bucket[1]
         mask = sampling.token_mask
@@ -177,9 +183,10 @@ class ModelRunner:
         return PendingStep(done(launch) if thread is None else thread.submit(launch),
                            want_logprobs)
 
-    def _run(self, step, args: list, scored, prev: PendingStep | None):
+    def _run(self, step, args: list, scored, prev: PendingStep | jax.Array | None):
         """Call a compiled step on the device state; returns (output, next_tokens)."""
-        prev_tokens = prev.next_tokens if prev is not None else self._zero_prev_tokens()
+        prev_tokens = (prev if isinstance(prev, jax.Array) else self._zero_prev_tokens()
+                       if prev is None else prev.next_tokens)
         self.kv_caches, (out, next_tokens) = step(self.state, self.kv_caches, *args,
                                                   prev_tokens, scored)
         return out, next_tokens
@@ -212,7 +219,7 @@ class ModelRunner:
 
     def _zero_prev_tokens(self) -> jax.Array:
         if self._no_prev_tokens is None:
-            zeros = np.zeros(self.max_num_seqs, np.int32)
+            zeros = np.zeros(self.prev_width, np.int32)
             self._no_prev_tokens = (self._replicate(zeros) if self._inputs_sharding is not None
                                     else jax.device_put(zeros))
         return self._no_prev_tokens
@@ -253,7 +260,7 @@ class ModelRunner:
         sampling = padding_sampling(bucket[1], self.max_model_len, self.vocab_size)
         host = (np.zeros(packed_size(self._packed_template(bucket)), np.int32),
                 sampling.penalty_tokens, sampling.token_mask,
-                np.zeros(self.max_num_seqs, np.int32),
+                np.zeros(self.prev_width, np.int32),
                 None if len(key) == 2 else np.zeros((2, key[2]), np.int32))
         return (*jax.tree.map(lambda x: jax.ShapeDtypeStruct(
             np.shape(x), np.asarray(x).dtype, sharding=self._inputs_sharding), host), bucket)
@@ -293,8 +300,8 @@ class ModelRunner:
     def _shared_keys(self, buckets) -> list:
         """What each bucket's trace depends on (None: not shareable)."""
         common = (traced_function(self._step), self.graphdef, self.max_model_len,
-                  self.pages_per_seq, self.max_num_seqs, self.vocab_size, trace_options(),
-                  signature(self.state), signature(self.kv_caches))
+                  self.pages_per_seq, self.max_num_seqs, self.prev_width, self.vocab_size,
+                  trace_options(), signature(self.state), signature(self.kv_caches))
         return [hashable_or_none((common, signature(self._abstract_args(b)))) for b in buckets]
 
     def precompile(self, pairs, progress: bool = True, on_compiled=None) -> float:

@@ -66,7 +66,7 @@ class PipelineRunner(ModelRunner):
         return self._dispatch_words(pack((stacked, _small(sampling))), sampling, bucket,
                                     score_rows, None)
 
-    def _run(self, step, args: list, scored, prev: PendingStep | None):
+    def _run(self, step, args: list, scored, prev: PendingStep | jax.Array | None):
         self.kv_caches, self.carry, out = step(self.state, self.kv_caches, self.carry, *args,
                                                scored)
         return out, None

@@ -98,6 +98,29 @@ def test_greedy_texts_equal_the_engine_without_speculation(name, proposer, plain
         assert stats["num_used_pages"] == 0
 
 
+def test_model_drafts_stay_on_the_device_unless_a_row_needs_them_on_the_host(
+        plain_llm, plain_texts):
+    # The head's drafts feed the verify step on the device (the host reads them with the
+    # step's tokens); a penalised request's rows need them on the host first, and get
+    # them there. Both give the plain engine's tokens, as does the host-drafts engine.
+    llm = _llm(enable_prefix_caching=False, speculative_config=EAGLE3)
+    speculator = llm.llm_engine.speculator
+    prompts = _prompts(*EVERY_TASK)
+    assert generate_texts(llm, prompts) == plain_texts[EVERY_TASK]
+    on_device = speculator.num_device_proposals
+    assert on_device > 0 and speculator.num_accepted_tokens > 0
+    penalised = SamplingParams(temperature=0, max_tokens=24, repetition_penalty=1.3)
+    verified = speculator.num_drafts
+    got = llm.generate(prompts[:1], penalised)[0].outputs[0].token_ids
+    assert got == plain_llm.generate(prompts[:1], penalised)[0].outputs[0].token_ids
+    assert speculator.num_drafts > verified  # it speculated, its drafts read first
+    assert speculator.num_device_proposals == on_device
+    speculator.keep_drafts_on_device = False
+    assert generate_texts(llm, prompts) == plain_texts[EVERY_TASK]
+    assert speculator.num_device_proposals == on_device
+    assert llm.stats()["num_used_pages"] == 0
+
+
 def test_sampled_penalised_min_tokens_and_logprob_requests_equal_the_plain_engine(
         plain_llm, spec_llm):
     # One batch, every request drafted: greedy, greedy with logprobs, a penalty, seeded
