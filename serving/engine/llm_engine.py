@@ -274,9 +274,8 @@ class LLMEngine(LoRAMethods):
         previous = self._in_flight
         drafts = None if self.speculator is None else self.speculator.on_device
         batch = build_model_inputs(out, *buckets, self.page_size, self.pages_per_seq,
-                                   None if previous is None else previous.rows,
-                                   self.page_table, bucket,
-                                   None if drafts is None else drafts.offsets)
+                                   None if previous is None else previous.rows, self.page_table,
+                                   bucket, None if drafts is None else drafts.offsets)
         sampling = build_sampling_arrays(
             sampling_entries(out, self._seqs), batch.padded_num_seqs,
             self.max_model_len, self.model_config.vocab_size,
@@ -285,8 +284,7 @@ class LLMEngine(LoRAMethods):
             distributed.publish_step(batch, sampling)
         score, claims = self._scoring.rows(out, batch, buckets[0])
         started = time.perf_counter()
-        # a step whose drafts are on the device runs serially: they take prev_tokens' place
-        prev = (drafts.tokens if drafts is not None
+        prev = (drafts.tokens if drafts is not None  # (a speculating step runs serially)
                 else None if previous is None else previous.pending)
         pending = self.runner.dispatch(batch, sampling, prev, score)
         rows = {}

@@ -215,11 +215,8 @@ def build_cache(config: EngineConfig, model: Qwen3ForCausalLM, mesh) -> CacheSet
     scheduler = Scheduler(sched, kv_manager,
                           swap=SwapManager(num_host_pages, cache.swap_min_tokens))
     scheduler.lora = None if lora is None else lora.slots
-    spec = config.speculative_config
     runner = make_runner(model, caches, mesh, sched, max_model_len=max_model_len,
-                         pages_per_seq=pages_per_seq,
-                         num_drafts=0 if draft is None or spec is None
-                         else spec.num_speculative_tokens)
+                         pages_per_seq=pages_per_seq)
     proposer = draft_proposer(draft, model, runner, page_table, config.speculative_config,
                               sched, num_pages=num_pages, page_size=page_size,
                               pages_per_seq=pages_per_seq, dtype=dtype)

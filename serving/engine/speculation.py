@@ -167,12 +167,12 @@ class Speculator:
         if self.lengths is not None:
             counts = self.lengths.choose(
                 [(request.request_id, k) for request, k, _ in proposed], num_running)
-        width = self.config.num_speculative_tokens
+        k = self.config.num_speculative_tokens  # each proposed row's drafts in `tokens`
         offsets = {}
         for (request, _, row), count in zip(proposed, counts):
             if count:
                 request.draft_token_ids = [0] * count
-                offsets[request.request_id] = row * width
+                offsets[request.request_id] = row * k
         if offsets:
             self.on_device = DeviceDrafts(tokens, offsets)
             self.num_device_proposals += 1

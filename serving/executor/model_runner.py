@@ -21,6 +21,7 @@ from jax.sharding import NamedSharding
 from qwen_jax.attention import AttentionMetadata
 from qwen_jax.lora_layers import write_slot
 from qwen_jax.sharding import replicated
+from serving.core.speculative import MAX_SPECULATIVE_TOKENS
 from serving.executor.dispatch import DispatchThread, PendingStep, done
 from serving.executor.model_inputs import ModelInputs
 from serving.executor.shared_executables import (
@@ -59,19 +60,19 @@ class ModelRunner:
     """Owns the params, the KV cache and the compiled steps."""
 
     def __init__(self, model, kv_caches, *, max_model_len: int, pages_per_seq: int, mesh=None,
-                 max_num_seqs: int = 256, num_drafts: int = 0,
-                 dispatch_thread: bool | None = None):
-        """max_num_seqs: the largest sequence bucket. num_drafts: k of a draft model's or
-        EAGLE-3 head's proposals, whose drafts a step may take in place of `prev_tokens`
-        (serving/engine/speculation.py); 0 without. dispatch_thread: device calls from a
+                 max_num_seqs: int = 256, dispatch_thread: bool | None = None):
+        """max_num_seqs: the largest sequence bucket. dispatch_thread: device calls from a
         `DispatchThread` (None: unless the devices are CPUs, whose calls return at once)."""
         self.graphdef, self.state = nnx.split(model)
         self.kv_caches = kv_caches
         self.max_model_len = max_model_len
         self.pages_per_seq = pages_per_seq
         self.max_num_seqs = max_num_seqs
-        # the width of `next_tokens` and `prev_tokens`: the sampled ids, or the drafts
-        self.prev_width = max_num_seqs * max(1, num_drafts)
+        # The width of `next_tokens` and `prev_tokens`: the sampled ids, or a draft model's
+        # or EAGLE-3 head's drafts (serving/engine/speculation.py), k <= the most allowed a
+        # sequence; the same with or without a draft model, so engines of the same shapes
+        # share their compiled steps (serving/executor/shared_executables.py).
+        self.prev_width = max_num_seqs * MAX_SPECULATIVE_TOKENS
         self.vocab_size = model.config.vocab_size
         # (T, S) -> step; (T, S, R) -> the step scoring R prompt rows
         self._executables: dict[tuple, jax.stages.Compiled] = {}
