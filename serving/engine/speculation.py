@@ -63,7 +63,7 @@ def grammar_drafts(seq: SeqState, drafts: list[int]) -> list[int]:
 @dataclasses.dataclass
 class DeviceDrafts:
     """A dispatched proposal whose drafts the host has not read: the flat drafts on the
-    device (int32[prev_width], DraftRunner.dispatch) and where each request's start."""
+    device (int32[prev_width], DraftRunner.dispatch) and where each request's drafts start."""
 
     tokens: jax.Array
     offsets: dict[str, int]  # request id -> its first draft's index in `tokens`
@@ -146,11 +146,17 @@ class Speculator:
             if drafts:
                 request.draft_token_ids = drafts
                 proposed.append(request)
-        if self.lengths is not None and proposed:
-            counts = self.lengths.choose(
-                [(r.request_id, len(r.draft_token_ids)) for r in proposed], len(running))
-            for request, count in zip(proposed, counts):
-                del request.draft_token_ids[count:]
+        counts = self._counts([(r.request_id, len(r.draft_token_ids)) for r in proposed],
+                              len(running))
+        for request, count in zip(proposed, counts):
+            del request.draft_token_ids[count:]
+
+    def _counts(self, proposed: list[tuple[str, int]], num_running: int) -> list[int]:
+        """The drafts each (request id, drafts proposed) verifies: all, or as many as the
+        adaptive draft length chooses."""
+        if self.lengths is None or not proposed:
+            return [num for _, num in proposed]
+        return self.lengths.choose(proposed, num_running)
 
     def _propose_on_device(self, eligible: list[tuple[Request, int, SeqState]],
                            num_running: int) -> None:
@@ -163,10 +169,8 @@ class Speculator:
                     if row is not None]
         if tokens is None or not proposed:
             return
-        counts = [k for _, k, _ in proposed]
-        if self.lengths is not None:
-            counts = self.lengths.choose(
-                [(request.request_id, k) for request, k, _ in proposed], num_running)
+        counts = self._counts([(request.request_id, k) for request, k, _ in proposed],
+                              num_running)
         k = self.config.num_speculative_tokens  # each proposed row's drafts in `tokens`
         offsets = {}
         for (request, _, row), count in zip(proposed, counts):
