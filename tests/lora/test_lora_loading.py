@@ -1,4 +1,4 @@
-"""LoRA adapters saved by peft 0.21 (transformers 5) and by hand in the transformers-4
+"""LoRA adapters saved by peft 0.21+ (transformers 5) and by hand in the transformers-4
 per-expert layout load to factors whose A @ B is peft's own merged delta, pack into buffers
 that reproduce each layer's deltas, and refuse anything they cannot serve by name."""
 
@@ -97,14 +97,21 @@ def test_peft_adapter_on_moe_matches_peft_merge(case, moe, tmp_path):
     assert adapter.name == tmp_path.name
 
 
-def test_experts_become_fused_and_dense_layers_get_none(moe, tmp_path):
+def test_experts_become_fused_and_dense_layers_load_what_peft_saved(moe, tmp_path):
+    """peft turns MLP targets into the fused expert parameters of the MoE layers; the dense
+    layer (1) keeps its MLP LoRA on peft 0.22+ and has none on 0.21: either way the loader
+    takes exactly the modules the file holds."""
     hf, cfg = moe
     save_peft_adapter(hf, tmp_path, target_modules=MLP)
-    _, config = read_adapter(tmp_path)
+    tensors, config = read_adapter(tmp_path)
     assert sorted(config["target_parameters"]) == ["down_proj", "gate_up_proj"]
+    dense = sorted({(1, f"mlp.{p}") for p in MLP
+                    if f"{PREFIX}model.layers.1.mlp.{p}.lora_A.weight" in tensors})
+    assert dense in ([], [(1, f"mlp.{p}") for p in sorted(MLP)])
     adapter = load_adapter(tmp_path, cfg, max_rank=4)  # gate_up_proj has rank 8 = 2 * max_rank
-    assert sorted(adapter.modules) == [(layer, f"mlp.experts.{p}") for layer in (0, 2)
-                                       for p in ("down_proj", "gate_up_proj")]
+    assert sorted(adapter.modules) == sorted(
+        [(layer, f"mlp.experts.{p}") for layer in (0, 2)
+         for p in ("down_proj", "gate_up_proj")] + dense)
     a, b = adapter.modules[(0, "mlp.experts.gate_up_proj")]
     assert a.shape == (4, 32, 8) and b.shape == (4, 8, 40)
     assert adapter.nbytes == sum(a.nbytes + b.nbytes for a, b in adapter.modules.values()) > 0
@@ -243,7 +250,8 @@ ERRORS = {
     "regex": (_config(target_modules=r".*\.foo"), r"target_modules must be a regex matching"),
     "bad_regex": (_config(target_modules="(q_proj"), "target_modules must be a valid regular"),
     "bad_pattern": (_patterns(**{"[": 2}), r"rank_pattern key must be a valid regular .*'\['"),
-    "unwrapped_fused": (_config(target_parameters=[]),
+    # peft 0.22+ keeps the MLP names in target_modules (0.21 moved them): drop both.
+    "unwrapped_fused": (_config(target_parameters=[], target_modules=ATTN),
                         "in a layer target_parameters wraps .none wraps mlp.experts of layer 0"),
     "foo_param": (_config(target_parameters=["down_proj", "foo"]),
                   "target_parameters entry 'foo' names no parameter"),
