@@ -121,8 +121,10 @@ def test_the_embedded_model_drafts_with_its_shipped_head():
     prompts = _prompts(tasks.TASKS, 2)
     plain = LLM(model=str(TINY_MODEL), precompile=False, show_progress=False,
                 enable_prefix_caching=False)
+    # few buckets: a cold start compiles every one, the target's and the proposer's
     llm = LLM(model=str(TINY_MODEL), show_progress=False, max_num_seqs=8,
-              max_num_batched_tokens=64, enable_prefix_caching=False,
+              max_num_batched_tokens=64, token_buckets=[8, 64], seq_buckets=[2, 8],
+              enable_prefix_caching=False,
               speculative_config={"method": "eagle3", "num_speculative_tokens": 3,
                                   "adaptive_draft_length": False})
     compiled = llm.stats()["num_compiles"]

@@ -234,8 +234,10 @@ def test_seeded_samples_with_a_draft_model_equal_the_plain_engine(plain_llm):
 
 @pytest.mark.slow
 def test_the_draft_model_compiles_at_start_up_only():
+    # few buckets: a cold start compiles every one, the target's and the proposer's
     llm = LLM(model=str(TINY_MODEL), show_progress=False, max_num_seqs=8,
-              max_num_batched_tokens=64, enable_prefix_caching=False,
+              max_num_batched_tokens=64, token_buckets=[8, 64], seq_buckets=[2, 8],
+              enable_prefix_caching=False,
               speculative_config=SELF_DRAFT)
     compiled = llm.stats()["num_compiles"]
     assert compiled == 2 * len(llm.llm_engine.bucket_pairs)  # the target's and the draft's
