@@ -6,9 +6,7 @@ Expert LoRA comes in two layouts: transformers-4 adapters hold one LoRA per expe
 projection (`mlp.experts.<e>.gate_proj`); peft on transformers 5 wraps the fused parameters
 `mlp.experts.gate_up_proj` [E, 2F, D] (gate rows first) and `mlp.experts.down_proj` [E, D, F]
 in nested ParamWrappers, and rewrites expert targets in the config to match (its
-`_convert_peft_config_moe`, which `_parse_spec` follows). peft 0.21 removes the MLP names from
-target_modules; 0.22 keeps them, so a MoE model's dense layers (mlp_only_layers) get MLP LoRA
-too: the tensors in the file decide which modules load.
+`_convert_peft_config_moe`, which `_parse_spec` follows; 0.22+ keeps MLP targets on dense layers).
 """
 
 from __future__ import annotations
