@@ -159,9 +159,15 @@ ENGINE_CONFIGS = {
 EVAL_SEED = 5
 
 
+# Few buckets (each shape a test meets compiles once, some seconds on a CPU): 12 prompts
+# in one step, then 12 sequences decoding, then the last few.
+BUCKETS = dict(max_num_seqs=16, token_buckets=(16, 64, 512), seq_buckets=(4, 16))
+
+
 def _llm(**kwargs):
     from qwen_jax import LLM
-    return LLM(model=str(TINY_MODEL), precompile=False, show_progress=False, **kwargs)
+    return LLM(model=str(TINY_MODEL), precompile=False, show_progress=False,
+               **{**BUCKETS, **kwargs})
 
 
 def _eval_prompts() -> list[str]:

@@ -119,12 +119,11 @@ def test_the_embedded_model_drafts_with_its_shipped_head():
     config = json.loads((TINY_MODEL.with_name("tiny-qwen3-eagle3") / "config.json").read_text())
     assert config["architectures"] == ["LlamaForCausalLMEagle3"]
     prompts = _prompts(tasks.TASKS, 2)
-    plain = LLM(model=str(TINY_MODEL), precompile=False, show_progress=False,
-                enable_prefix_caching=False)
     # few buckets: a cold start compiles every one, the target's and the proposer's
-    llm = LLM(model=str(TINY_MODEL), show_progress=False, max_num_seqs=8,
-              max_num_batched_tokens=64, token_buckets=[8, 64], seq_buckets=[2, 8],
-              enable_prefix_caching=False,
+    few = dict(max_num_seqs=8, max_num_batched_tokens=64, token_buckets=[8, 64],
+               seq_buckets=[2, 8], enable_prefix_caching=False)
+    plain = LLM(model=str(TINY_MODEL), precompile=False, show_progress=False, **few)
+    llm = LLM(model=str(TINY_MODEL), show_progress=False, **few,
               speculative_config={"method": "eagle3", "num_speculative_tokens": 3,
                                   "adaptive_draft_length": False})
     compiled = llm.stats()["num_compiles"]
@@ -140,10 +139,11 @@ def test_sampled_requests_with_eagle3_equal_the_plain_engine():
     prompts = _prompts(("reverse", "add"), 2)
     params = [SamplingParams(temperature=0.7, top_k=10, seed=seed, max_tokens=40,
                              ignore_eos=True) for seed in range(4)]
-    plain = LLM(model=str(TINY_MODEL), precompile=False, show_progress=False,
-                enable_prefix_caching=False).generate(prompts, params)
-    llm = LLM(model=str(TINY_MODEL), precompile=False, show_progress=False,
-              enable_prefix_caching=False,
+    # 4 sequences, 3 drafts each: 16 rows; a bucket for the prompts and one for decoding
+    few = dict(max_num_seqs=4, token_buckets=[16, 512], seq_buckets=[16],
+               enable_prefix_caching=False, precompile=False, show_progress=False)
+    plain = LLM(model=str(TINY_MODEL), **few).generate(prompts, params)
+    llm = LLM(model=str(TINY_MODEL), **few,
               speculative_config={"method": "eagle3", "num_speculative_tokens": 3,
                                   "adaptive_draft_length": False})
     assert ([o.outputs[0].token_ids for o in llm.generate(prompts, params)]

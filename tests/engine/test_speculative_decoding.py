@@ -44,8 +44,15 @@ def _prompts(task_names, per_task):
     return render_prompts(problems, chat_template(TINY_MODEL))
 
 
+# Few buckets, the same in every engine here (a plain engine's steps are an n-gram or draft
+# model engine's target steps): each (tokens, rows) shape a test meets compiles once, some
+# seconds on a CPU. 16 sequences verify 3 drafts each in 64 rows.
+BUCKETS = dict(max_num_seqs=16, token_buckets=(16, 64, 512), seq_buckets=(8, 64))
+
+
 def _llm(**kwargs):
-    return LLM(model=str(TINY_MODEL), precompile=False, show_progress=False, **kwargs)
+    return LLM(model=str(TINY_MODEL), precompile=False, show_progress=False,
+               **{**BUCKETS, **kwargs})
 
 
 @pytest.fixture(scope="module")
@@ -270,7 +277,8 @@ def test_requests_under_a_grammar_draft_within_it(plain_llm, proposer):
 def test_max_num_seqs_sequences_verify_all_their_drafts(plain_llm):
     # the sequence buckets grow to max_num_seqs * (1 + k) rows with speculation: four
     # sequences at once, three drafts each, none cut for want of rows
-    llm = _llm(enable_prefix_caching=False, max_num_seqs=4, speculative_config=SELF_DRAFT)
+    llm = _llm(enable_prefix_caching=False, max_num_seqs=4, seq_buckets=None,
+               speculative_config=SELF_DRAFT)
     assert max(llm.llm_engine.scheduler_config.seq_bucket_sizes) == 16
     prompts = _prompts(("copy",), 4)
     params = SamplingParams(temperature=0, max_tokens=25, ignore_eos=True)
@@ -404,7 +412,7 @@ async def test_streamed_deltas_through_async_llm_reassemble_the_plain_text(plain
     prompts = _prompts(("copy", "reverse"), 1)
     plain = generate_texts(plain_llm, prompts)
     llm = AsyncLLM(str(TINY_MODEL), precompile=False, enable_prefix_caching=False,
-                   speculative_config=NGRAM)
+                   speculative_config=NGRAM, **BUCKETS)
     try:
         params = SamplingParams(temperature=0, max_tokens=64,
                                 output_kind=RequestOutputKind.DELTA)
