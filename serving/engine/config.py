@@ -81,12 +81,17 @@ _ENGINE_FIELDS = ({f.name for f in dataclasses.fields(EngineConfig)}
                   - {"cache", "scheduler", "parallel"})
 
 
+# names whose None is a choice (no override, no bound, no persistent cache); others' None
+# means not given (the CLI's unset options), so the default applies
+_NONE_IS_A_VALUE = ("num_gpu_blocks_override", "max_waiting", "compilation_cache_dir")
+
+
 def engine_config_from_kwargs(model=None, **kwargs) -> EngineConfig:
     """vLLM-style flat keyword arguments -> EngineConfig (unknown names are an error)."""
     groups: dict[str, dict[str, Any]] = {"cache": {}, "scheduler": {}, "parallel": {},
                                          "engine": {}}
     for name, value in kwargs.items():
-        if value is None and name not in ("num_gpu_blocks_override", "max_waiting"):
+        if value is None and name not in _NONE_IS_A_VALUE:
             continue
         if name in _CACHE_FIELDS:
             groups["cache"][name] = value

@@ -117,3 +117,11 @@ def test_configs_are_frozen_and_keyword_only():
         c.block_size = 32
     with pytest.raises(TypeError):
         CacheConfig(16)
+
+
+def test_a_none_compilation_cache_dir_turns_the_cache_off_and_unset_keeps_the_default():
+    from serving.engine.config import engine_config_from_kwargs
+    assert engine_config_from_kwargs(compilation_cache_dir=None).compilation_cache_dir is None
+    assert engine_config_from_kwargs().compilation_cache_dir == "default"
+    # other names' None means not given (the CLI passes unset options as None)
+    assert engine_config_from_kwargs(max_num_seqs=None).scheduler.max_num_seqs == 64
