@@ -1,10 +1,16 @@
 """Test-wide setup. XLA must see 8 host devices before jax is first imported (sharding
-tests); float32 matmuls use full precision so parity tolerances mean what they say."""
+tests), and its CPU compiler is set to compile fast where the installed jaxlib lets us
+(tests/helpers/xla_flags.py); float32 matmuls use full precision so parity tolerances mean
+what they say."""
 
 import os
 
-os.environ["XLA_FLAGS"] = (os.environ.get("XLA_FLAGS", "")
-                           + " --xla_force_host_platform_device_count=8").strip()
+from tests.helpers.xla_flags import compile_speed_flags
+
+# Appended: a flag given on the command line's XLA_FLAGS comes first, ours after it.
+os.environ["XLA_FLAGS"] = " ".join([os.environ.get("XLA_FLAGS", ""),
+                                    "--xla_force_host_platform_device_count=8",
+                                    *compile_speed_flags()]).strip()
 # CPU unless JAX_PLATFORMS says otherwise: CI has no GPU and the sharding tests want the 8
 # simulated host devices. On a GPU machine `JAX_PLATFORMS=cuda` runs the kernels compiled
 # (benchmarks/device_check.sh does); benchmarks/device_probe.py never goes through pytest.

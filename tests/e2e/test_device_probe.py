@@ -8,13 +8,17 @@ import pathlib
 import subprocess
 import sys
 
+from tests.helpers.xla_flags import compile_speed_flags
+
 PROBE = pathlib.Path(__file__).parents[2] / "benchmarks" / "device_probe.py"
 STAGES = ["env", "check", "attention", "matmul", "engine", "offline", "kernel_table",
           "done"]
 
 
 def run_probe(out, *args):
-    env = {**os.environ, "JAX_PLATFORMS": "cpu", "XLA_FLAGS": ""}
+    # One device, as on a GPU machine; the tests' compile-speed flags (the figures of a
+    # dry run are not asserted on).
+    env = {**os.environ, "JAX_PLATFORMS": "cpu", "XLA_FLAGS": " ".join(compile_speed_flags())}
     env.pop("PYTHONPATH", None)  # the probe needs no install and no PYTHONPATH
     proc = subprocess.run([sys.executable, str(PROBE), "--small", "--out", str(out), *args],
                           env=env, capture_output=True, text=True, timeout=900)
