@@ -180,9 +180,15 @@ def reference_texts(full_forward):
     return generate_texts(full_forward, _eval_prompts())
 
 
+@pytest.fixture(scope="module")
+def reference_results(full_forward):
+    """evaluate() of the full forward (greedy: the same every time it runs)."""
+    return evaluate(full_forward, N_PER_TASK, seed=EVAL_SEED)
+
+
 @pytest.mark.slow
 @pytest.mark.parametrize("name", ENGINE_CONFIGS)
-def test_engine_matches_full_forward_per_problem(name, reference_texts, full_forward):
+def test_engine_matches_full_forward_per_problem(name, reference_texts, reference_results):
     llm = _llm(**ENGINE_CONFIGS[name])
     passes = 2 if name == "prefix_caching" else 1  # the second pass hits the cache
     for _ in range(passes):
@@ -190,8 +196,7 @@ def test_engine_matches_full_forward_per_problem(name, reference_texts, full_for
     if name == "prefix_caching":
         assert llm.stats()["prefix_cache_hits"] > 0
     # evaluate() scores the same texts: its correctness equals the reference's
-    results = evaluate(llm, N_PER_TASK, seed=EVAL_SEED)
-    assert results == evaluate(full_forward, N_PER_TASK, seed=EVAL_SEED)
+    assert evaluate(llm, N_PER_TASK, seed=EVAL_SEED) == reference_results
 
 
 @pytest.mark.slow

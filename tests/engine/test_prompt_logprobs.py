@@ -68,6 +68,7 @@ def test_a_cached_prefix_is_computed_again_for_its_logprobs(llm, tiny_ckpt):
     assert first.num_cached_tokens == 0
 
 
+@pytest.mark.slow  # the scheduler's preemption and n, the same on every JAX
 def test_preempted_and_n2_requests_score_each_position_once(tiny_ckpt, compile_cache):
     # 8 pages of 16 tokens for four 40-token prompts growing to 70: they preempt each other
     llm = LLM(str(tiny_ckpt[0]), compilation_cache_dir=compile_cache,

@@ -274,6 +274,7 @@ def test_requests_under_a_grammar_draft_within_it(plain_llm, proposer):
     assert stats["num_used_pages"] == 0
 
 
+@pytest.mark.slow
 def test_max_num_seqs_sequences_verify_all_their_drafts(plain_llm):
     # the sequence buckets grow to max_num_seqs * (1 + k) rows with speculation: four
     # sequences at once, three drafts each, none cut for want of rows
