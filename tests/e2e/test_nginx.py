@@ -10,6 +10,7 @@ import json
 import os
 import shutil
 import signal
+import socket
 import subprocess
 import sys
 import time
@@ -61,6 +62,22 @@ http {{
     return main
 
 
+def wait_listening(proc: subprocess.Popen, port: int, timeout: float = 60) -> None:
+    """Until `port` on loopback takes a connection; fails if `proc` exits first or the
+    time runs out (on a loaded machine Nginx can take seconds to bind)."""
+    deadline = time.monotonic() + timeout
+    while True:
+        if proc.poll() is not None:
+            pytest.fail(f"Nginx exited with {proc.returncode} before listening on {port}")
+        try:
+            socket.create_connection(("127.0.0.1", port), timeout=1).close()
+            return
+        except OSError:
+            if time.monotonic() > deadline:
+                pytest.fail(f"Nginx is not listening on {port} after {timeout} s")
+            time.sleep(0.05)
+
+
 @pytest.fixture(scope="module")
 def fleet(tiny_model_dir, compile_cache, tmp_path_factory):
     """Nginx on a free port in front of two servers: (nginx url, the two processes)."""
@@ -80,9 +97,7 @@ def fleet(tiny_model_dir, compile_cache, tmp_path_factory):
                        capture_output=True)
         proxy = subprocess.Popen([nginx, "-c", str(main), "-p", str(tmp),
                                   "-g", "daemon off;"])
-        deadline = time.monotonic() + 10
-        while time.monotonic() < deadline and not (tmp / "nginx.pid").exists():
-            time.sleep(0.05)
+        wait_listening(proxy, listen)
         yield f"http://127.0.0.1:{listen}", servers, ports
     finally:
         if proxy is not None:
